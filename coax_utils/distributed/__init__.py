@@ -1,0 +1,11 @@
+"""Distributed replay on Ray (extra ``distributed``: ``pip install coax_utils[distributed]``)."""
+
+try:
+    import ray  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "coax_utils.distributed needs Ray; install the extra: pip install coax_utils[distributed]"
+    ) from exc
+
+__all__ = [
+]

@@ -1,0 +1,179 @@
+"""The :class:`TransitionBatch` pytree: a batch of (possibly n-step) transitions."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from coax_utils._dataclass import pytree_dataclass
+
+__all__ = ["TransitionBatch"]
+
+
+@pytree_dataclass
+class TransitionBatch:
+    r"""A batch of transitions, with coax's field names.
+
+    A single transition (one row) is :math:`(S_t, A_t, \log\pi(A_t|S_t), R^{(n)}_t,
+    I^{(n)}_t, S_{t+n}, A_{t+n}, \log\pi(A_{t+n}|S_{t+n}))`, where the n-step return and
+    bootstrap factor are
+
+    .. math::
+
+        R^{(n)}_t\ =\ \sum_{k=0}^{n-1}\gamma^kR_{t+k}\,, \qquad
+        I^{(n)}_t\ =\ \left\{\begin{matrix}
+            0           & \text{if } S_{t+n} \text{ is terminal} \\
+            \gamma^n    & \text{otherwise}
+        \end{matrix}\right.
+
+    so that a bootstrapped target reads :math:`G^{(n)}_t = R^{(n)}_t + I^{(n)}_t\,
+    v(S_{t+n})`.
+
+    Every field is a pytree of arrays with a leading batch axis (or None). The class is a
+    frozen dataclass registered as a pytree, so :mod:`jax.tree_util`, :func:`jax.jit` and
+    :func:`jax.vmap` work on it; use :meth:`replace` to change fields.
+
+    Parameters
+    ----------
+    S : pytree of arrays
+        The states :math:`S_t`.
+    A : pytree of arrays
+        The actions :math:`A_t`.
+    logP : array
+        The log-propensities :math:`\log\pi(A_t|S_t)`.
+    Rn : array
+        The n-step discounted returns :math:`R^{(n)}_t`.
+    In : array
+        The bootstrap factors :math:`I^{(n)}_t` (0 after termination).
+    S_next : pytree of arrays
+        The next states :math:`S_{t+n}`.
+    A_next : pytree of arrays, optional
+        The next actions :math:`A_{t+n}` (for SARSA-style targets).
+    logP_next : array, optional
+        The next log-propensities.
+    W : array, optional
+        Sample weights, e.g. importance weights from prioritized replay.
+    idx : array, optional
+        Indices into the replay buffer the rows were sampled from.
+    extra_info : dict, optional
+        Extra per-row information (e.g. the raw rewards and dones of an n-step trace).
+    """
+
+    S: Any
+    A: Any
+    logP: Any
+    Rn: Any
+    In: Any
+    S_next: Any
+    A_next: Any = None
+    logP_next: Any = None
+    W: Any = None
+    idx: Any = None
+    extra_info: Any = None
+
+    @property
+    def batch_size(self) -> int:
+        """The number of transitions in the batch (the length of the leading axis)."""
+        return int(np.shape(self.Rn)[0])
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    @classmethod
+    def from_single(
+        cls,
+        s: Any,
+        a: Any,
+        logp: float,
+        r: float,
+        done: bool,
+        gamma: float,
+        s_next: Any = None,
+        a_next: Any = None,
+        logp_next: float | None = None,
+        w: float = 1.0,
+        idx: int | None = None,
+        extra_info: Any = None,
+    ) -> TransitionBatch:
+        """Build a batch of size 1 from a single 1-step transition.
+
+        Parameters
+        ----------
+        s, a : state and action
+        logp : float
+            Log-propensity of ``a``.
+        r : float
+            The reward.
+        done : bool
+            Whether ``s_next`` is terminal (then ``In = 0``, else ``In = gamma``).
+        gamma : float
+            The discount factor.
+        s_next, a_next, logp_next : optional
+            The next state, action and log-propensity. ``s_next`` defaults to ``s``.
+        w : float
+            The sample weight.
+        idx : int, optional
+            A buffer index.
+        extra_info : dict, optional
+            Extra information, stored with a batch axis added.
+        """
+        if not 0.0 <= float(gamma) <= 1.0:
+            raise ValueError(f"gamma must lie in [0, 1], got {gamma!r}")
+
+        def batch(x: Any, dtype: Any = None) -> Any:
+            if x is None:
+                return None
+            return jax.tree_util.tree_map(lambda v: np.expand_dims(np.asarray(v, dtype), 0), x)
+
+        return cls(
+            S=batch(s),
+            A=batch(a),
+            logP=batch(logp, np.float32),
+            Rn=batch(r, np.float32),
+            In=batch(0.0 if done else gamma, np.float32),
+            S_next=batch(s if s_next is None else s_next),
+            A_next=batch(a_next),
+            logP_next=batch(logp_next, np.float32),
+            W=batch(w, np.float32),
+            idx=batch(idx, np.int64),
+            extra_info=batch(extra_info),
+        )
+
+    def to_singles(self) -> Iterator[TransitionBatch]:
+        """Split the batch into batches of size 1 (a generator)."""
+        for i in range(self.batch_size):
+            yield jax.tree_util.tree_map(lambda x, i=i: x[i : i + 1], self)
+
+    def __getitem__(self, index: Any) -> TransitionBatch:
+        """Select rows with an int, slice or index array (an int keeps a batch axis)."""
+        if isinstance(index, (int, np.integer)):
+            index = slice(int(index), int(index) + 1) if index != -1 else slice(-1, None)
+        return jax.tree_util.tree_map(lambda x: x[index], self)
+
+    @classmethod
+    def concatenate(cls, *batches: TransitionBatch) -> TransitionBatch:
+        """Concatenate batches along the batch axis (same structure required)."""
+        if not batches:
+            raise ValueError("concatenate needs at least one TransitionBatch")
+        structures = {jax.tree_util.tree_structure(b) for b in batches}
+        if len(structures) != 1:
+            raise ValueError(
+                "cannot concatenate TransitionBatch objects whose fields differ in structure "
+                "(e.g. one has A_next or W set and another has not)"
+            )
+        if len(batches) == 1:
+            return batches[0]
+        return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs, axis=0), *batches)
+
+    def __repr__(self) -> str:
+        def describe(x: Any) -> str:
+            if x is None:
+                return "None"
+            return repr(jax.tree_util.tree_map(lambda v: f"{np.dtype(v.dtype)}{list(np.shape(v))}", x))
+
+        parts = ", ".join(f"{f.name}={describe(getattr(self, f.name))}" for f in dataclasses.fields(self))
+        return f"TransitionBatch({parts})"

@@ -1,0 +1,4 @@
+"""JIT-friendly streaming data sources: pure state machines usable inside ``jax.lax.scan``."""
+
+__all__ = [
+]
