@@ -1,0 +1,310 @@
+r"""A pure functional sum tree: a state pytree and jittable ``init/set/reduce/sample``.
+
+The tree is a 1-indexed binary heap stored in one flat array ``nodes`` of length ``2 * L``,
+where ``L`` is the smallest power of two ``>= capacity``. Node ``1`` is the root, node ``k``
+has children ``2k`` and ``2k + 1`` and the leaves (the values) sit at ``L, ..., L + capacity -
+1``. Leaves past ``capacity`` are padding and stay zero; ``nodes[0]`` is unused.
+
+Parents are always recomputed from their children (never updated by adding deltas), so the
+root equals the sum of the leaves up to the rounding of one pairwise summation, however many
+updates were made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from coax_utils._dataclass import pytree_dataclass, static_field
+
+__all__ = [
+    "SumTreeState",
+    "sum_tree_init",
+    "sum_tree_inverse_cdf",
+    "sum_tree_reduce",
+    "sum_tree_sample",
+    "sum_tree_set",
+    "sum_tree_total",
+    "sum_tree_values",
+]
+
+
+@pytree_dataclass
+class SumTreeState:
+    r"""State of a functional sum tree (a pytree; make one with :func:`sum_tree_init`).
+
+    Attributes
+    ----------
+    nodes : Array
+        Flat 1-indexed heap of shape ``(2 * num_leaves,)``: ``nodes[1]`` is the total,
+        ``nodes[num_leaves + i]`` is value ``i``. ``nodes[0]`` and padded leaves are zero.
+    capacity : int
+        Number of values (static metadata, a Python int).
+    """
+
+    nodes: jax.Array
+    capacity: int = static_field()
+
+    @property
+    def num_leaves(self) -> int:
+        """Number of leaves of the heap: the smallest power of two ``>= capacity``."""
+        return self.nodes.shape[-1] // 2
+
+    @property
+    def height(self) -> int:
+        """Number of levels below the root (``log2(num_leaves)``)."""
+        return self.num_leaves.bit_length() - 1
+
+
+def _num_leaves(capacity: int) -> int:
+    return 1 << (capacity - 1).bit_length()
+
+
+def sum_tree_init(capacity: int, dtype: Any = jnp.float32) -> SumTreeState:
+    r"""Create a sum tree holding ``capacity`` values, all zero.
+
+    Parameters
+    ----------
+    capacity : int
+        Number of values, any integer ``>= 1`` (not only powers of two).
+    dtype : dtype, optional
+        Floating point dtype of the values and partial sums (default ``float32``).
+
+    Returns
+    -------
+    SumTreeState
+        The initial state.
+
+    Raises
+    ------
+    ValueError
+        If ``capacity < 1``.
+    TypeError
+        If ``capacity`` is not an integer or ``dtype`` is not a floating point dtype.
+
+    Examples
+    --------
+    >>> state = sum_tree_init(5)
+    >>> state.capacity, state.nodes.shape
+    (5, (16,))
+    >>> state = sum_tree_set(state, jnp.array([0, 4]), jnp.array([1.0, 3.0]))
+    >>> print(float(sum_tree_total(state)))
+    4.0
+    """
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+        raise TypeError(f"capacity must be an int, got {capacity!r}")
+    capacity = int(capacity)
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"dtype must be a floating point dtype, got {dtype}")
+    return SumTreeState(nodes=jnp.zeros(2 * _num_leaves(capacity), dtype), capacity=capacity)
+
+
+def _last_write_mask(indices: jax.Array) -> jax.Array:
+    """Boolean mask over ``indices`` (1-d) that is True where no later entry has the same index."""
+    k = indices.shape[0]
+    if k <= 1:
+        return jnp.ones((k,), bool)
+    order = jnp.argsort(indices, stable=True)
+    sorted_idx = indices[order]
+    # in a stable sort, the last entry of each run of equal indices is the last write
+    last_in_run = jnp.concatenate([sorted_idx[1:] != sorted_idx[:-1], jnp.ones((1,), bool)])
+    return jnp.zeros((k,), bool).at[order].set(last_in_run)
+
+
+def sum_tree_set(state: SumTreeState, indices: jax.Array, values: jax.Array) -> SumTreeState:
+    r"""Set ``values[indices] = values`` and recompute the affected partial sums.
+
+    Parameters
+    ----------
+    state : SumTreeState
+        The tree (may be donated by the caller, e.g. ``jax.jit(sum_tree_set,
+        donate_argnums=0)``).
+    indices : int Array, shape ``(k,)``
+        Positions in ``[0, capacity)``. Duplicates are allowed: the last write wins.
+        Out-of-range indices are ignored (nothing is written for them).
+    values : float Array, shape ``(k,)`` or scalar
+        New non-negative values (not checked: this function is traced).
+
+    Returns
+    -------
+    SumTreeState
+        The updated tree. Every ancestor of a written leaf is recomputed as the sum of its two
+        children, so no error accumulates over many updates.
+
+    Examples
+    --------
+    >>> state = sum_tree_init(3)
+    >>> state = sum_tree_set(state, jnp.array([1, 1]), jnp.array([5.0, 2.0]))
+    >>> sum_tree_values(state).tolist()
+    [0.0, 2.0, 0.0]
+    """
+    indices = jnp.asarray(indices).reshape(-1).astype(jnp.int32)
+    values = jnp.broadcast_to(jnp.asarray(values, state.nodes.dtype).reshape(-1), indices.shape)
+    n = state.num_leaves
+    valid = (indices >= 0) & (indices < state.capacity) & _last_write_mask(indices)
+    # invalid or overwritten entries are sent out of bounds and dropped by the scatter
+    leaf = jnp.where(valid, indices + n, 2 * n)
+    nodes = state.nodes.at[leaf].set(values, mode="drop", unique_indices=False)
+    node = jnp.where(valid, indices + n, 0)
+    for _ in range(state.height):
+        node = node // 2
+        # several entries may share a parent: they all write the same (recomputed) value
+        nodes = nodes.at[node].set(nodes[2 * node] + nodes[2 * node + 1], mode="drop")
+    # node 0 collected the invalid entries; keep it at zero
+    nodes = nodes.at[0].set(0)
+    return state.replace(nodes=nodes)
+
+
+def sum_tree_values(state: SumTreeState) -> jax.Array:
+    r"""The stored values, shape ``(capacity,)``.
+
+    Examples
+    --------
+    >>> sum_tree_values(sum_tree_init(2)).tolist()
+    [0.0, 0.0]
+    """
+    n = state.num_leaves
+    return state.nodes[..., n : n + state.capacity]
+
+
+def sum_tree_total(state: SumTreeState) -> jax.Array:
+    r"""The sum of all values (the root of the tree), a scalar.
+
+    Examples
+    --------
+    >>> state = sum_tree_set(sum_tree_init(4), jnp.arange(4), jnp.ones(4))
+    >>> print(float(sum_tree_total(state)))
+    4.0
+    """
+    return state.nodes[..., 1]
+
+
+def sum_tree_reduce(state: SumTreeState, start: Any, stop: Any) -> jax.Array:
+    r"""The sum of ``values[start:stop]``, in :math:`\mathcal{O}(\log N)`.
+
+    Parameters
+    ----------
+    state : SumTreeState
+        The tree.
+    start, stop : int or int Array
+        Range bounds, scalars or arrays of equal shape (broadcast against each other), with
+        ``0 <= start <= stop <= capacity`` (not checked: this function is traced; bounds are
+        clipped to ``[0, capacity]`` and an empty range sums to zero).
+
+    Returns
+    -------
+    Array
+        The partial sums, shape ``broadcast(start, stop).shape``.
+
+    Examples
+    --------
+    >>> state = sum_tree_set(sum_tree_init(5), jnp.arange(5), jnp.arange(5.0))
+    >>> sum_tree_reduce(state, jnp.array([0, 1, 2]), jnp.array([5, 3, 2])).tolist()
+    [10.0, 3.0, 0.0]
+    """
+    start = jnp.clip(jnp.asarray(start, jnp.int32), 0, state.capacity)
+    stop = jnp.clip(jnp.asarray(stop, jnp.int32), 0, state.capacity)
+    start, stop = jnp.broadcast_arrays(start, stop)
+    n = state.num_leaves
+    lo = start + n  # half-open node range [lo, hi) at the current level
+    hi = jnp.maximum(stop, start) + n
+    total = jnp.zeros(lo.shape, state.nodes.dtype)
+    for _ in range(state.height + 1):
+        take_lo = (lo < hi) & (lo % 2 == 1)
+        total = total + jnp.where(take_lo, state.nodes[lo], 0)
+        lo = jnp.where(take_lo, lo + 1, lo)
+        take_hi = (lo < hi) & (hi % 2 == 1)
+        hi = jnp.where(take_hi, hi - 1, hi)
+        total = total + jnp.where(take_hi, state.nodes[hi], 0)
+        lo, hi = lo // 2, hi // 2
+    return total
+
+
+def sum_tree_inverse_cdf(state: SumTreeState, u: Any) -> jax.Array:
+    r"""Inverse CDF of the categorical distribution with probabilities ``values / total``.
+
+    For each :math:`u\in[0, 1]` this returns the index :math:`i` with
+
+    .. math::
+
+        \sum_{j<i} v_j \ \le\ u \sum_j v_j \ <\ \sum_{j\le i} v_j
+
+    by a descent from the root. Rounding can never lead it to a zero-valued or a padded slot:
+    at every node it only enters a child with a positive sum, so ``u == 1.0`` returns the last
+    non-zero slot.
+
+    Parameters
+    ----------
+    state : SumTreeState
+        The tree; its total must be positive (not checked: this function is traced; an
+        all-zero tree returns index 0).
+    u : float or float Array
+        Numbers in ``[0, 1]`` (clipped to it), any shape.
+
+    Returns
+    -------
+    int32 Array
+        Indices, same shape as ``u``.
+
+    Examples
+    --------
+    >>> state = sum_tree_set(sum_tree_init(4), jnp.arange(4), jnp.array([1.0, 0.0, 3.0, 0.0]))
+    >>> sum_tree_inverse_cdf(state, jnp.array([0.0, 0.2499, 0.25, 1.0])).tolist()
+    [0, 0, 2, 2]
+    """
+    nodes = state.nodes
+    u = jnp.clip(jnp.asarray(u, nodes.dtype), 0, 1)
+    target = u * nodes[1]
+    node = jnp.ones(u.shape, jnp.int32)
+    for _ in range(state.height):
+        left = nodes[2 * node]
+        right = nodes[2 * node + 1]
+        go_left = (target < left) | (right <= 0)
+        target = jnp.where(go_left, target, target - left)
+        node = jnp.where(go_left, 2 * node, 2 * node + 1)
+    return jnp.minimum(node - state.num_leaves, state.capacity - 1).astype(jnp.int32)
+
+
+def sum_tree_sample(
+    state: SumTreeState, key: jax.Array, n: int, stratified: bool = False
+) -> jax.Array:
+    r"""Sample ``n`` indices with probabilities proportional to the values.
+
+    Parameters
+    ----------
+    state : SumTreeState
+        The tree; its total must be positive.
+    key : jax.Array
+        A ``jax.random`` key.
+    n : int
+        Number of samples (static).
+    stratified : bool, optional
+        If True, split :math:`[0, 1)` into ``n`` equal strata and draw one uniform number in
+        each (lower variance, as in prioritized experience replay); otherwise draw ``n``
+        independent uniform numbers. Static.
+
+    Returns
+    -------
+    int32 Array, shape ``(n,)``
+        The sampled indices (via :func:`sum_tree_inverse_cdf`).
+
+    Examples
+    --------
+    >>> state = sum_tree_set(sum_tree_init(3), jnp.arange(3), jnp.array([0.0, 1.0, 0.0]))
+    >>> sum_tree_sample(state, jax.random.key(0), 4).tolist()
+    [1, 1, 1, 1]
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    n = int(n)
+    dtype = state.nodes.dtype
+    u = jax.random.uniform(key, (n,), dtype)
+    if stratified:
+        u = (jnp.arange(n, dtype=dtype) + u) / n
+    return sum_tree_inverse_cdf(state, u)
