@@ -1,0 +1,106 @@
+"""The :class:`Source` protocol and small helpers shared by the sources."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+__all__ = ["Source"]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A JIT-friendly data stream: a pure state machine with fixed-length epochs.
+
+    A source holds configuration only; everything that changes lives in its state, a frozen
+    pytree dataclass with an ``epoch`` counter and a ``replace(**changes)`` method. ``next``
+    is a pure function of the state, so it runs under :func:`jax.jit` and inside
+    :func:`jax.lax.scan`:
+
+    .. code-block:: python
+
+        state = source.init_state(key)
+        value, mask, state = source.next(state)
+
+    ``mask`` is a boolean array (a scalar for a single item, one entry per row for a batch)
+    that is False where ``value`` holds padding rather than data.
+
+    Attributes
+    ----------
+    steps_per_epoch : int
+        Number of ``next`` calls in one epoch.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> from coax_utils.sources import ArraySource, Source
+    >>> isinstance(ArraySource(jnp.arange(3)), Source)
+    True
+    """
+
+    steps_per_epoch: int
+
+    def init_state(self, key: jax.Array) -> Any:
+        """Return the state at the start of epoch 0 (``key`` seeds any randomness)."""
+        ...
+
+    def next(self, state: Any) -> tuple[PyTree, jax.Array, Any]:
+        """Return ``(value, mask, new_state)``: the next item and the advanced state."""
+        ...
+
+    def element_spec(self) -> PyTree:
+        """Pytree of :class:`jax.ShapeDtypeStruct` describing one emitted ``value``."""
+        ...
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """Return ``value`` as an int, or raise if it is not a positive integer."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a positive integer, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a positive integer, got {value!r}") from None
+    if number <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {number}")
+    return number
+
+
+ORDERINGS = ("shuffle", "sequential")
+
+
+def check_ordering(ordering: Any) -> str:
+    """Return ``ordering`` if it is one of :data:`ORDERINGS`, else raise ValueError."""
+    if not isinstance(ordering, str) or ordering not in ORDERINGS:
+        raise ValueError(f"ordering must be 'shuffle' or 'sequential', got {ordering!r}")
+    return ordering
+
+
+def canonical_dtype(dtype: Any) -> np.dtype:
+    """The dtype JAX actually uses for ``dtype`` (int64 -> int32 without x64, ...)."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def spec_of(tree: PyTree) -> PyTree:
+    """Pytree of :class:`jax.ShapeDtypeStruct` of the leaves of ``tree`` (dtypes canonical)."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), canonical_dtype(np.result_type(x))), tree
+    )
+
+
+def zeros_like_spec(spec: PyTree, leading: tuple[int, ...] = ()) -> PyTree:
+    """Zeros of the shapes/dtypes of ``spec``, with extra ``leading`` axes."""
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(leading + tuple(s.shape), s.dtype), spec)
+
+
+def epoch_permutation(key: jax.Array, size: int, shuffle: bool) -> jax.Array:
+    """The int32 visiting order of one epoch: a random permutation or ``arange``."""
+    if shuffle:
+        return jax.random.permutation(key, size).astype(jnp.int32)
+    return jnp.arange(size, dtype=jnp.int32)

@@ -1,0 +1,297 @@
+"""DiskSource: a stream whose samples come from a Python callback, fetched in chunks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from coax_utils._dataclass import pytree_dataclass
+from coax_utils.sources._base import (
+    PyTree,
+    canonical_dtype,
+    check_ordering,
+    check_positive_int,
+    epoch_permutation,
+    spec_of,
+    zeros_like_spec,
+)
+
+__all__ = ["DiskSource", "DiskSourceState"]
+
+
+@pytree_dataclass
+class DiskSourceState:
+    """State of a :class:`DiskSource`.
+
+    Attributes
+    ----------
+    order : jax.Array
+        int32 array of shape ``(length,)``: the sample indices in this epoch's order.
+    position : jax.Array
+        int32 scalar: how many items of the current epoch have been emitted.
+    key : jax.Array
+        PRNG key from which the next epoch's permutation is drawn.
+    epoch : jax.Array
+        int32 scalar: number of completed epochs.
+    buffer : pytree of jax.Array
+        The prefetched chunk: ``prefetch_size`` samples stacked along a leading axis.
+    buffer_start : jax.Array
+        int32 scalar: epoch position of the first sample in ``buffer``; -1 when the buffer
+        holds nothing of the current epoch.
+    """
+
+    order: jax.Array
+    position: jax.Array
+    key: jax.Array
+    epoch: jax.Array
+    buffer: PyTree
+    buffer_start: jax.Array
+
+
+def _describe(spec: jax.ShapeDtypeStruct) -> str:
+    return f"shape {tuple(spec.shape)} dtype {np.dtype(spec.dtype).name}"
+
+
+class DiskSource:
+    """Stream samples produced by a Python function ``sample_fn(i)``, for data not in memory.
+
+    ``sample_fn(i)`` returns sample ``i`` (``0 <= i < length``) as a pytree of array-likes,
+    read from disk, a database or anything else. Under :func:`jax.jit`, samples are fetched
+    through :func:`jax.experimental.io_callback` in chunks: whenever the current chunk is
+    used up, one callback loads the next ``prefetch_size`` samples of the epoch's order
+    into a buffer, and the following ``next`` calls read from that buffer. Every index is
+    fetched exactly once per epoch; the mask of every item is a scalar ``True``.
+
+    Parameters
+    ----------
+    length : int
+        Number of samples.
+    sample_fn : callable
+        ``sample_fn(i: int) -> pytree``; every sample has the structure, shapes and dtypes
+        of ``sample_spec``.
+    sample_spec : pytree of jax.ShapeDtypeStruct, optional
+        Description of one sample. By default it is inferred from ``sample_fn(0)``.
+    ordering : {"shuffle", "sequential"}
+        Visiting order within an epoch; shuffling permutes the whole data set, not only
+        the prefetch chunk.
+    prefetch_size : int
+        Number of samples loaded per callback.
+
+    Raises
+    ------
+    ValueError
+        For a non-positive ``length`` or ``prefetch_size``, an unknown ``ordering``, or an
+        empty spec.
+    TypeError
+        If ``sample_fn`` is not callable or a leaf of ``sample_spec`` is not a
+        :class:`jax.ShapeDtypeStruct`.
+
+    Notes
+    -----
+    A failing callback cannot raise a Python exception through compiled code. When
+    ``sample_fn(i)`` raises, or returns a sample whose structure, shape or dtype differs
+    from the spec, the callback raises a :class:`ValueError` whose message names the index
+    and the problem; called eagerly that error propagates as is, and under ``jit`` JAX
+    re-raises it as a :class:`jax.errors.JaxRuntimeError` carrying the same message.
+    Dtypes are compared after JAX's canonicalization (a float64 sample matches a float32
+    spec when 64-bit mode is off).
+
+    Examples
+    --------
+    >>> import jax, numpy as np
+    >>> from coax_utils.sources import DiskSource
+    >>> source = DiskSource(5, lambda i: {"x": np.full(2, i)}, ordering="sequential",
+    ...                     prefetch_size=2)
+    >>> state = source.init_state(jax.random.key(0))
+    >>> step = jax.jit(source.next)
+    >>> for _ in range(5):
+    ...     value, mask, state = step(state)
+    ...     print(value["x"].tolist(), bool(mask))
+    [0, 0] True
+    [1, 1] True
+    [2, 2] True
+    [3, 3] True
+    [4, 4] True
+    >>> int(state.epoch)
+    1
+    """
+
+    def __init__(
+        self,
+        length: int,
+        sample_fn: Callable[[int], PyTree],
+        sample_spec: PyTree | None = None,
+        ordering: str = "shuffle",
+        prefetch_size: int = 64,
+    ) -> None:
+        self._length = check_positive_int("length", length)
+        self._prefetch_size = check_positive_int("prefetch_size", prefetch_size)
+        self._ordering = check_ordering(ordering)
+        if not callable(sample_fn):
+            raise TypeError(f"sample_fn must be callable, got {sample_fn!r}")
+        self._sample_fn = sample_fn
+        if sample_spec is None:
+            sample_spec = spec_of(self._call(0))
+        leaves = jax.tree_util.tree_leaves(sample_spec)
+        if not leaves:
+            raise ValueError("the sample spec must have at least one leaf, got an empty pytree")
+        for leaf in leaves:
+            if not isinstance(leaf, jax.ShapeDtypeStruct):
+                raise TypeError(f"leaves of sample_spec must be jax.ShapeDtypeStruct, got {leaf!r}")
+        self._spec = jax.tree_util.tree_map(
+            lambda s: jax.ShapeDtypeStruct(tuple(s.shape), canonical_dtype(s.dtype)), sample_spec
+        )
+        self._spec_leaves, self._spec_treedef = jax.tree_util.tree_flatten(self._spec)
+        self._chunk_spec = jax.tree_util.tree_map(
+            lambda s: jax.ShapeDtypeStruct((self._prefetch_size, *s.shape), s.dtype), self._spec
+        )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Number of items per epoch (``length``)."""
+        return self._length
+
+    @property
+    def length(self) -> int:
+        """Number of samples."""
+        return self._length
+
+    @property
+    def prefetch_size(self) -> int:
+        """Number of samples fetched per callback."""
+        return self._prefetch_size
+
+    @property
+    def ordering(self) -> str:
+        """``"shuffle"`` or ``"sequential"``."""
+        return self._ordering
+
+    @property
+    def sample_fn(self) -> Callable[[int], PyTree]:
+        """The Python function returning sample ``i``."""
+        return self._sample_fn
+
+    def element_spec(self) -> PyTree:
+        """Pytree of :class:`jax.ShapeDtypeStruct` describing one sample."""
+        return self._spec
+
+    def _call(self, index: int) -> PyTree:
+        try:
+            return self._sample_fn(index)
+        except Exception as exc:
+            raise ValueError(
+                f"DiskSource: sample_fn({index}) raised {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _checked_leaves(self, index: int, sample: PyTree) -> list[np.ndarray]:
+        leaves, treedef = jax.tree_util.tree_flatten(sample)
+        if treedef != self._spec_treedef:
+            raise ValueError(
+                f"DiskSource: sample_fn({index}) returned a pytree of structure {treedef}; "
+                f"the spec expects {self._spec_treedef}"
+            )
+        arrays = []
+        for path_index, (leaf, spec) in enumerate(zip(leaves, self._spec_leaves)):
+            array = np.asarray(leaf)
+            got = jax.ShapeDtypeStruct(array.shape, canonical_dtype(array.dtype))
+            if got.shape != spec.shape or got.dtype != spec.dtype:
+                raise ValueError(
+                    f"DiskSource: sample_fn({index}) returned leaf {path_index} with "
+                    f"{_describe(got)}; the spec expects {_describe(spec)}"
+                )
+            arrays.append(array)
+        return arrays
+
+    def _fetch(self, indices: np.ndarray, count: np.ndarray) -> list[np.ndarray]:
+        """Host side of the prefetch: stack ``sample_fn(i)`` for the first ``count`` indices."""
+        out = [np.zeros(s.shape, s.dtype) for s in self._chunk_spec_leaves()]
+        for row, index in enumerate(np.asarray(indices)[: int(count)]):
+            index = int(index)
+            for buf, array in zip(out, self._checked_leaves(index, self._call(index))):
+                buf[row] = array
+        return out
+
+    def _chunk_spec_leaves(self) -> list[jax.ShapeDtypeStruct]:
+        return jax.tree_util.tree_leaves(self._chunk_spec)
+
+    def _order(self, key: jax.Array) -> jax.Array:
+        return epoch_permutation(key, self._length, self._ordering == "shuffle")
+
+    def init_state(self, key: jax.Array) -> DiskSourceState:
+        """Return the state at the start of epoch 0 (nothing fetched yet).
+
+        Parameters
+        ----------
+        key : jax.Array
+            PRNG key (typed or raw) seeding the epoch permutations.
+
+        Returns
+        -------
+        DiskSourceState
+        """
+        key, order_key = jax.random.split(key)
+        return DiskSourceState(
+            order=self._order(order_key),
+            position=jnp.zeros([], jnp.int32),
+            key=key,
+            epoch=jnp.zeros([], jnp.int32),
+            buffer=zeros_like_spec(self._spec, (self._prefetch_size,)),
+            buffer_start=jnp.full([], -1, jnp.int32),
+        )
+
+    def _refill(self, state: DiskSourceState) -> DiskSourceState:
+        size = self._prefetch_size
+        offsets = state.position + jnp.arange(size, dtype=jnp.int32)
+        indices = state.order[jnp.minimum(offsets, self._length - 1)]
+        count = jnp.minimum(self._length - state.position, size).astype(jnp.int32)
+        leaves = io_callback(self._fetch, self._chunk_spec_leaves(), indices, count)
+        buffer = jax.tree_util.tree_unflatten(self._spec_treedef, leaves)
+        return state.replace(buffer=buffer, buffer_start=state.position)
+
+    def next(self, state: DiskSourceState) -> tuple[PyTree, jax.Array, DiskSourceState]:
+        """Return ``(sample, mask, new_state)``, fetching the next chunk when needed.
+
+        Parameters
+        ----------
+        state : DiskSourceState
+
+        Returns
+        -------
+        tuple
+            The sample, a scalar ``True`` mask and the advanced state.
+        """
+        stale = jnp.logical_or(
+            state.buffer_start < 0, state.position >= state.buffer_start + self._prefetch_size
+        )
+        state = jax.lax.cond(stale, self._refill, lambda s: s, state)
+        row = state.position - state.buffer_start
+        sample = jax.tree_util.tree_map(
+            lambda b: jax.lax.dynamic_index_in_dim(b, row, keepdims=False), state.buffer
+        )
+        position = state.position + 1
+
+        def new_epoch(state: DiskSourceState) -> DiskSourceState:
+            key, order_key = jax.random.split(state.key)
+            return state.replace(
+                order=self._order(order_key),
+                position=jnp.zeros([], jnp.int32),
+                key=key,
+                epoch=state.epoch + 1,
+                buffer_start=jnp.full([], -1, jnp.int32),
+            )
+
+        def same_epoch(state: DiskSourceState) -> DiskSourceState:
+            return state.replace(position=position)
+
+        new_state = jax.lax.cond(position >= self._length, new_epoch, same_epoch, state)
+        return sample, jnp.ones([], jnp.bool_), new_state
+
+    def __repr__(self) -> str:
+        return (
+            f"DiskSource(length={self._length}, ordering={self._ordering!r}, "
+            f"prefetch_size={self._prefetch_size}, element_spec={self._spec})"
+        )
