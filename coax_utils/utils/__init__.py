@@ -6,10 +6,48 @@ modules.
 """
 
 # -- arrays and pytrees ------------------------------------------------------------------
+from coax_utils.utils._arrays import argmax
+from coax_utils.utils._arrays import argmin
+from coax_utils.utils._arrays import check_array
+from coax_utils.utils._arrays import clipped_logit
+from coax_utils.utils._arrays import diff_transform
+from coax_utils.utils._arrays import diff_transform_matrix
+from coax_utils.utils._arrays import double_relu
+from coax_utils.utils._arrays import idx
+from coax_utils.utils._arrays import isscalar
+from coax_utils.utils._trees import batch_to_single
+from coax_utils.utils._trees import get_grads_diagnostics
+from coax_utils.utils._trees import get_magnitude_quantiles
+from coax_utils.utils._trees import single_to_batch
+from coax_utils.utils._trees import stack_trees
+from coax_utils.utils._trees import sync_shared_params
+from coax_utils.utils._trees import tree_ravel
+from coax_utils.utils._trees import unstack_trees
+from coax_utils.utils._trees import unvectorize
 # -- jit, docs, logging, misc --------------------------------------------------------------
+from coax_utils.utils._jit import jit
+from coax_utils.utils._misc import docstring
+from coax_utils.utils._misc import enable_logging
+from coax_utils.utils._misc import merge_dicts
+from coax_utils.utils._misc import pretty_print
+from coax_utils.utils._misc import pretty_repr
+from coax_utils.utils._misc import reload_recursive
 # -- quantiles ---------------------------------------------------------------------------
+from coax_utils.utils._quantiles import quantile_cos_embedding
+from coax_utils.utils._quantiles import quantiles
+from coax_utils.utils._quantiles import quantiles_uniform
 # -- function-approximator protocols -------------------------------------------------------
+from coax_utils.utils._protocols import is_policy
+from coax_utils.utils._protocols import is_qfunction
+from coax_utils.utils._protocols import is_reward_function
+from coax_utils.utils._protocols import is_stochastic
+from coax_utils.utils._protocols import is_transition_model
+from coax_utils.utils._protocols import is_vfunction
 # -- segment trees, noise, schedules --------------------------------------------------------
+from coax_utils.utils._segment_tree import MaxTree
+from coax_utils.utils._segment_tree import MinTree
+from coax_utils.utils._segment_tree import SegmentTree
+from coax_utils.utils._segment_tree import SumTree
 from coax_utils.utils._segment_tree_fn import SumTreeState
 from coax_utils.utils._segment_tree_fn import sum_tree_init
 from coax_utils.utils._segment_tree_fn import sum_tree_inverse_cdf
@@ -22,7 +60,41 @@ from coax_utils.utils._segment_tree_fn import sum_tree_values
 # -- environments and GIFs -----------------------------------------------------------------
 
 __all__ = [
+    "MaxTree",
+    "MinTree",
+    "SegmentTree",
+    "SumTree",
     "SumTreeState",
+    "argmax",
+    "argmin",
+    "batch_to_single",
+    "check_array",
+    "clipped_logit",
+    "diff_transform",
+    "diff_transform_matrix",
+    "docstring",
+    "double_relu",
+    "enable_logging",
+    "get_grads_diagnostics",
+    "get_magnitude_quantiles",
+    "idx",
+    "is_policy",
+    "is_qfunction",
+    "is_reward_function",
+    "is_stochastic",
+    "is_transition_model",
+    "is_vfunction",
+    "isscalar",
+    "jit",
+    "merge_dicts",
+    "pretty_print",
+    "pretty_repr",
+    "quantile_cos_embedding",
+    "quantiles",
+    "quantiles_uniform",
+    "reload_recursive",
+    "single_to_batch",
+    "stack_trees",
     "sum_tree_init",
     "sum_tree_inverse_cdf",
     "sum_tree_reduce",
@@ -30,4 +102,8 @@ __all__ = [
     "sum_tree_set",
     "sum_tree_total",
     "sum_tree_values",
+    "sync_shared_params",
+    "tree_ravel",
+    "unstack_trees",
+    "unvectorize",
 ]
