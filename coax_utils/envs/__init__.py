@@ -1,4 +1,35 @@
 """JAX spaces, space conversion, and the gymnasium <-> functional-JAX env bridge."""
 
+from coax_utils.envs._bridge import (
+    GymnasiumParams,
+    GymnasiumState,
+    GymnasiumToJax,
+    JaxToGymnasium,
+)
+from coax_utils.envs._spaces import (
+    Box,
+    Dict,
+    Discrete,
+    MultiBinary,
+    MultiDiscrete,
+    Space,
+    Tuple,
+    to_gymnasium_space,
+    to_jax_space,
+)
+
 __all__ = [
+    "Box",
+    "Dict",
+    "Discrete",
+    "GymnasiumParams",
+    "GymnasiumState",
+    "GymnasiumToJax",
+    "JaxToGymnasium",
+    "MultiBinary",
+    "MultiDiscrete",
+    "Space",
+    "Tuple",
+    "to_gymnasium_space",
+    "to_jax_space",
 ]

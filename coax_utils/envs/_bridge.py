@@ -1,0 +1,537 @@
+"""The gymnasium <-> functional-JAX environment bridge.
+
+:class:`GymnasiumToJax` exposes a (stateful, host-side) gymnasium env through the functional
+gymnax API, calling it from jitted code with :func:`jax.experimental.io_callback`.
+:class:`JaxToGymnasium` goes the other way: it runs a functional JAX env behind the
+:class:`gymnasium.Env` interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import gymnasium
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from coax_utils._dataclass import pytree_dataclass
+from coax_utils.envs._spaces import Space, _canonical, to_gymnasium_space, to_jax_space
+
+__all__ = ["GymnasiumParams", "GymnasiumState", "GymnasiumToJax", "JaxToGymnasium"]
+
+_COUNTER_MOD = 2**32
+
+
+@pytree_dataclass
+class GymnasiumState:
+    """The functional state of a :class:`GymnasiumToJax` env.
+
+    The real env state lives in the wrapped gymnasium env on the host; this pytree only
+    carries ``counter``, the number of ``reset``/``step`` calls the env has served when the
+    state was produced (uint32, wrapping around). The host checks it on every ``step``, so a
+    stale state (one that was already stepped) is refused instead of silently stepping the
+    env from wherever it is now.
+    """
+
+    counter: Any
+
+
+@pytree_dataclass
+class GymnasiumParams:
+    """The (empty) env parameters of a :class:`GymnasiumToJax` env.
+
+    A gymnasium env is configured when it is made, so there is nothing to pass here; the
+    class exists so that code written for gymnax's ``params`` argument runs unchanged.
+    """
+
+
+def _cast_action(space: gymnasium.Space, x: Any) -> Any:
+    """Convert a host copy of a JAX action to what the gymnasium ``space`` expects."""
+    if isinstance(space, gymnasium.spaces.Tuple):
+        return tuple(_cast_action(s, xi) for s, xi in zip(space.spaces, x))
+    if isinstance(space, gymnasium.spaces.Dict):
+        return {k: _cast_action(s, x[k]) for k, s in space.spaces.items()}
+    arr = np.asarray(x, dtype=space.dtype)
+    return arr[()] if arr.ndim == 0 else arr
+
+
+class GymnasiumToJax:
+    r"""A gymnasium env behind the functional gymnax API, callable from jitted code.
+
+    Every ``reset``/``step`` is one :func:`jax.experimental.io_callback` (``ordered=True``)
+    into the wrapped env on the host, so the methods work eagerly, under :func:`jax.jit` and
+    inside :func:`jax.lax.scan`, and calls run in program order:
+
+    .. code-block:: python
+
+        env = GymnasiumToJax(gymnasium.make("CartPole-v1"), seed=0)
+        params = env.default_params
+
+        @jax.jit
+        def rollout(key):
+            obs, state = env.reset(key, params)
+
+            def body(carry, key):
+                obs, state = carry
+                action = env.action_space(params).sample(key)
+                obs, state, reward, terminated, truncated, info = env.step(
+                    key, state, action, params)
+                return (obs, state), (reward, terminated, truncated)
+
+            return jax.lax.scan(body, (obs, state), jax.random.split(key, 100))
+
+    **Seeding.** With ``seed``, the first ``reset`` calls ``env.reset(seed=seed)`` (so it
+    returns exactly what that call returns) and later resets call ``env.reset()``,
+    continuing the env's own random stream. Without ``seed``, every ``reset`` draws a seed
+    from its ``key``. ``step`` ignores its ``key``: the env uses its own random stream.
+
+    **Autoreset.** Like gymnax, ``step`` on a single env resets it when the episode ends
+    (``terminated or truncated``): the returned ``obs`` is then the first observation of
+    the next episode, and ``info["final_obs"]`` is the last observation of the finished
+    one. Vector envs (:class:`gymnasium.vector.SyncVectorEnv`,
+    :class:`~gymnasium.vector.AsyncVectorEnv`) reset themselves following their own
+    ``autoreset_mode`` (gymnasium's default is next-step: the step after the end returns
+    the reset observation with zero reward); the bridge adds nothing, and observations,
+    rewards and flags carry a leading ``num_envs`` axis.
+
+    **Info.** A gymnasium info dict has no fixed shape, so it is not passed through whole.
+    The returned ``info`` contains exactly:
+
+    - ``"final_obs"``: the observation reached by the action, before any autoreset (equal
+      to ``obs`` unless the bridge or a same-step vector env reset the env);
+    - every key declared in ``info_spec``, cast to the declared dtype (zeros when the env
+      did not report the key on this step).
+
+    Every other info key is dropped.
+
+    **Misuse.** The wrapped env has a single state on the host, so the bridge refuses what
+    it cannot honour, with a :class:`ValueError` (surfacing from jitted code as a runtime
+    error that carries the message): :func:`jax.vmap` over ``reset``/``step`` (use a
+    gymnasium vector env for batches), ``step`` before ``reset``, and ``step`` with a stale
+    state, i.e. any state other than the one returned by the latest ``reset``/``step``
+    (e.g. stepping the same state twice). With ``autoreset=False``, stepping a single env
+    whose episode is over is refused as well.
+
+    Parameters
+    ----------
+    env : gymnasium.Env or gymnasium.vector.VectorEnv
+        The env. Its spaces must be convertible with :func:`to_jax_space`.
+    seed : int, optional
+        The seed of the first reset.
+    info_spec : mapping of str to jax.ShapeDtypeStruct, optional
+        Info keys to keep, with their shape and dtype (per step; vector envs report arrays
+        with a leading ``num_envs`` axis).
+    autoreset : bool, optional
+        Whether ``step`` resets a single env at the end of an episode (default True).
+        Ignored for vector envs.
+
+    Attributes
+    ----------
+    env : gymnasium.Env
+        The wrapped env.
+    num_envs : int or None
+        The number of sub-envs of a vector env, None for a single env.
+    """
+
+    def __init__(
+        self,
+        env: gymnasium.Env | gymnasium.vector.VectorEnv,
+        seed: int | None = None,
+        *,
+        info_spec: Mapping[str, Any] | None = None,
+        autoreset: bool = True,
+    ) -> None:
+        for attr in ("reset", "step", "observation_space", "action_space"):
+            if not hasattr(env, attr):
+                raise TypeError(f"env must be a gymnasium env, got {env!r} without {attr!r}")
+        if seed is not None and (isinstance(seed, bool) or int(seed) != seed or seed < 0):
+            raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
+        self.env = env
+        self.num_envs = int(env.num_envs) if isinstance(env, gymnasium.vector.VectorEnv) else None
+        self._autoreset = bool(autoreset)
+        self._seed = None if seed is None else int(seed)
+        self._obs_space = to_jax_space(env.observation_space)
+        self._act_space = to_jax_space(env.action_space)
+        self._gym_act_space = env.action_space
+        batch = () if self.num_envs is None else (self.num_envs,)
+
+        obs_spec = self._obs_space.shape_dtype()
+        self._obs_leaf_specs, self._obs_treedef = jax.tree_util.tree_flatten(obs_spec)
+        act_spec = self._act_space.shape_dtype()
+        self._act_leaf_specs, self._act_treedef = jax.tree_util.tree_flatten(act_spec)
+
+        self._info_spec: dict[str, jax.ShapeDtypeStruct] = {}
+        for k, v in dict(info_spec or {}).items():
+            if not isinstance(k, str) or k == "final_obs":
+                raise ValueError(
+                    f"info_spec keys must be strings other than 'final_obs', got {k!r}"
+                )
+            if not (hasattr(v, "shape") and hasattr(v, "dtype")):
+                raise TypeError(f"info_spec[{k!r}] must have a shape and a dtype, got {v!r}")
+            self._info_spec[k] = jax.ShapeDtypeStruct(tuple(v.shape), _canonical(v.dtype))
+
+        flag = jax.ShapeDtypeStruct(batch, jnp.bool_)
+        self._reset_result = (
+            jax.ShapeDtypeStruct((), jnp.uint32),
+            *self._obs_leaf_specs,
+        )
+        self._step_result = (
+            *self._obs_leaf_specs,
+            jax.ShapeDtypeStruct(batch, jnp.float32),
+            flag,
+            flag,
+            *self._obs_leaf_specs,
+            *self._info_spec.values(),
+        )
+
+        # host-side bookkeeping
+        self._counter = 0
+        self._reset_done = False
+        self._episode_over = False
+
+        self._call_reset = self._no_vmap(self._io(self._host_reset, self._reset_result), "reset")
+        self._call_step = self._no_vmap(self._io(self._host_step, self._step_result), "step")
+
+    # -- the gymnax API --------------------------------------------------------------------
+
+    @property
+    def default_params(self) -> GymnasiumParams:
+        """The (empty) env parameters."""
+        return GymnasiumParams()
+
+    def observation_space(self, params: Any = None) -> Space:
+        """The observation space as a JAX space (batched for vector envs)."""
+        return self._obs_space
+
+    def action_space(self, params: Any = None) -> Space:
+        """The action space as a JAX space (batched for vector envs)."""
+        return self._act_space
+
+    def reset(self, key: jax.Array, params: Any = None) -> tuple[Any, GymnasiumState]:
+        """Reset the env.
+
+        Parameters
+        ----------
+        key : jax.Array
+            A PRNG key; the reset seed is drawn from it unless the bridge was made with a
+            ``seed`` (see the class docstring).
+        params : GymnasiumParams, optional
+            Ignored.
+
+        Returns
+        -------
+        obs, state
+            The first observation and the new state.
+        """
+        seed = jax.random.randint(key, (), 0, np.iinfo(np.int32).max, dtype=jnp.int32)
+        counter, *obs = self._call_reset(seed)
+        return self._obs_treedef.unflatten(obs), GymnasiumState(counter=counter)
+
+    def step(
+        self, key: jax.Array, state: GymnasiumState, action: Any, params: Any = None
+    ) -> tuple[Any, GymnasiumState, jax.Array, jax.Array, jax.Array, dict]:
+        """Take one step.
+
+        Parameters
+        ----------
+        key : jax.Array
+            Ignored (the env has its own random stream).
+        state : GymnasiumState
+            The state returned by the latest ``reset`` or ``step``.
+        action : pytree of arrays
+            An element of :meth:`action_space`.
+        params : GymnasiumParams, optional
+            Ignored.
+
+        Returns
+        -------
+        obs, state, reward, terminated, truncated, info
+            The next observation (after autoreset, see the class docstring), the new state,
+            the reward (float32), the termination and truncation flags (bool) and the info
+            dict.
+
+        Raises
+        ------
+        ValueError
+            When ``action`` does not have the action space's structure and shapes (at trace
+            time), or when the state is stale or no reset happened (when the step runs).
+        """
+        counter = jnp.asarray(state.counter, jnp.uint32)
+        leaves = self._action_leaves(action)
+        out = self._call_step(counter, *leaves)
+        n = len(self._obs_leaf_specs)
+        obs = self._obs_treedef.unflatten(out[:n])
+        reward, terminated, truncated = out[n : n + 3]
+        final_obs = self._obs_treedef.unflatten(out[n + 3 : 2 * n + 3])
+        info = {"final_obs": final_obs, **dict(zip(self._info_spec, out[2 * n + 3 :]))}
+        return obs, GymnasiumState(counter=counter + 1), reward, terminated, truncated, info
+
+    def close(self) -> None:
+        """Close the wrapped env."""
+        self.env.close()
+
+    def __repr__(self) -> str:
+        return f"GymnasiumToJax({self.env!r})"
+
+    # -- JAX side helpers ------------------------------------------------------------------
+
+    def _action_leaves(self, action: Any) -> list[jax.Array]:
+        try:
+            leaves = self._act_treedef.flatten_up_to(action)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"action {action!r} does not have the structure of the action space "
+                f"{self._act_space!r}"
+            ) from e
+        out = []
+        for x, spec in zip(leaves, self._act_leaf_specs):
+            x = jnp.asarray(x)
+            if x.shape != spec.shape:
+                raise ValueError(
+                    f"action of shape {x.shape} does not match the action space "
+                    f"{self._act_space!r}, which expects shape {spec.shape}"
+                )
+            out.append(x.astype(spec.dtype))
+        return out
+
+    @staticmethod
+    def _io(fn: Callable, result: tuple) -> Callable:
+        def call(*args: Any) -> Any:
+            return io_callback(fn, result, *args, ordered=True)
+
+        return call
+
+    def _no_vmap(self, fn: Callable, name: str) -> Callable:
+        guarded = jax.custom_batching.custom_vmap(fn)
+
+        def refuse(axis_size: int, in_batched: Any, *args: Any) -> Any:
+            kind = "vector env" if self.num_envs is not None else "single gymnasium env"
+            raise ValueError(
+                f"GymnasiumToJax.{name} cannot be vmapped: it drives one {kind} that has a "
+                "single state on the host. For batched envs wrap a gymnasium vector env "
+                "(gymnasium.vector.SyncVectorEnv/AsyncVectorEnv) instead of using jax.vmap."
+            )
+
+        guarded.def_vmap(refuse)
+        return guarded
+
+    # -- host side -------------------------------------------------------------------------
+
+    def _obs_leaves(self, obs: Any, what: str) -> list[np.ndarray]:
+        try:
+            leaves = self._obs_treedef.flatten_up_to(obs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"the env returned {what} {obs!r}, which does not have the structure of its "
+                f"observation space {self._obs_space!r}"
+            ) from e
+        out = []
+        for x, spec in zip(leaves, self._obs_leaf_specs):
+            arr = np.asarray(x, dtype=spec.dtype)
+            if arr.shape != spec.shape:
+                raise ValueError(
+                    f"the env returned {what} of shape {arr.shape}, but its observation space "
+                    f"{self._obs_space!r} has shape {spec.shape}"
+                )
+            out.append(arr)
+        return out
+
+    def _host_reset(self, seed: Any) -> tuple:
+        if self._seed is None:
+            reset_seed: int | None = int(seed)
+        else:
+            reset_seed = None if self._reset_done else self._seed
+        obs, _ = self.env.reset(seed=reset_seed)
+        leaves = self._obs_leaves(obs, "the observation of reset")
+        self._reset_done = True
+        self._episode_over = False
+        self._counter = (self._counter + 1) % _COUNTER_MOD
+        return (np.uint32(self._counter), *leaves)
+
+    def _host_step(self, counter: Any, *action_leaves: Any) -> tuple:
+        counter = int(counter)
+        if not self._reset_done:
+            raise ValueError(
+                "GymnasiumToJax.step was called before reset: call reset(key, params) first"
+            )
+        if counter != self._counter:
+            raise ValueError(
+                f"GymnasiumToJax.step got a stale state (call counter {counter}, but the env "
+                f"has served {self._counter} calls): pass the state returned by the latest "
+                "reset or step; the wrapped env cannot step from an earlier state, and calls "
+                "must happen in order"
+            )
+        if self._episode_over:
+            raise ValueError(
+                "GymnasiumToJax.step was called after the episode ended with autoreset=False: "
+                "call reset(key, params) first"
+            )
+        host = [np.asarray(a) for a in action_leaves]
+        action = _cast_action(self._gym_act_space, self._act_treedef.unflatten(host))
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        final = self._obs_leaves(obs, "the observation of step")
+        leaves = final
+        if self.num_envs is None:
+            if terminated or truncated:
+                if self._autoreset:
+                    obs, _ = self.env.reset()
+                    leaves = self._obs_leaves(obs, "the observation of reset")
+                else:
+                    self._episode_over = True
+        elif "final_obs" in info and "_final_obs" in info:
+            final = self._final_obs_of_vector(final, info)
+        extra = self._info_leaves(info)
+        self._counter = (self._counter + 1) % _COUNTER_MOD
+        batch = () if self.num_envs is None else (self.num_envs,)
+        return (
+            *leaves,
+            np.asarray(reward, np.float32).reshape(batch),
+            np.asarray(terminated, np.bool_).reshape(batch),
+            np.asarray(truncated, np.bool_).reshape(batch),
+            *[np.array(x) for x in final],
+            *extra,
+        )
+
+    def _final_obs_of_vector(self, obs_leaves: list[np.ndarray], info: dict) -> list:
+        """Same-step autoreset vector envs report the final observations in the info."""
+        final = [np.array(x) for x in obs_leaves]
+        for i in np.flatnonzero(np.asarray(info["_final_obs"])):
+            sub = self._obs_treedef.flatten_up_to(info["final_obs"][i])
+            for leaf, x in zip(final, sub):
+                leaf[i] = x
+        return final
+
+    def _info_leaves(self, info: dict) -> list[np.ndarray]:
+        out = []
+        for k, spec in self._info_spec.items():
+            if k not in info:
+                out.append(np.zeros(spec.shape, spec.dtype))
+                continue
+            arr = np.asarray(info[k], dtype=spec.dtype)
+            if arr.shape != spec.shape:
+                raise ValueError(
+                    f"info[{k!r}] has shape {arr.shape}, but info_spec declares {spec.shape}"
+                )
+            out.append(arr)
+        return out
+
+
+class JaxToGymnasium(gymnasium.Env):
+    """A functional JAX env (gymnax style) behind the :class:`gymnasium.Env` interface.
+
+    The JAX env needs ``default_params``, ``reset(key, params) -> (obs, state)``,
+    ``observation_space(params)``, ``action_space(params)`` and a step function returning
+    either the old 5-tuple ``(obs, state, reward, done, info)`` or the new 6-tuple
+    ``(obs, state, reward, terminated, truncated, info)``. ``step_env`` is used when the env
+    has it (gymnax's step without autoreset, so that the terminal observation is the real
+    one), ``step`` otherwise. With the 5-tuple, ``done`` is reported as ``terminated`` and
+    ``truncated`` is always False. Spaces may be this package's JAX spaces or gymnax-style
+    ones (see :func:`to_gymnasium_space`).
+
+    Reset and step are jitted once. Keys come from the env's ``np_random``: ``reset(seed=s)``
+    is deterministic, and ``reset()`` continues the seeded stream. Observations, rewards and
+    infos are returned as fresh NumPy values of the gymnasium spaces' dtypes.
+
+    Parameters
+    ----------
+    env : gymnax-style env
+        The functional JAX env.
+    params : pytree, optional
+        The env parameters (``env.default_params`` by default).
+    seed : int, optional
+        The seed used by the first ``reset`` when it is called without one.
+    render_mode : {None, "rgb_array"}, optional
+        With ``"rgb_array"``, :meth:`render` returns ``env.render(state, params)`` as a uint8
+        array, so the JAX env must have such a ``render`` method.
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 30}
+
+    def __init__(
+        self,
+        env: Any,
+        params: Any = None,
+        seed: int | None = None,
+        render_mode: str | None = None,
+    ) -> None:
+        for attr in ("reset", "observation_space", "action_space"):
+            if not hasattr(env, attr):
+                raise TypeError(f"env must be a gymnax-style JAX env, got {env!r} without {attr!r}")
+        if not (hasattr(env, "step_env") or hasattr(env, "step")):
+            raise TypeError(f"env must have a step or step_env method, got {env!r}")
+        if render_mode not in (None, "rgb_array"):
+            raise ValueError(f"render_mode must be None or 'rgb_array', got {render_mode!r}")
+        if render_mode == "rgb_array" and not callable(getattr(env, "render", None)):
+            raise ValueError("render_mode='rgb_array' needs a JAX env with render(state, params)")
+        if params is None:
+            params = getattr(env, "default_params", None)
+        self.jax_env = env
+        self.params = params
+        self.render_mode = render_mode
+        self._seed = seed
+        self.observation_space = to_gymnasium_space(env.observation_space(params))
+        self.action_space = to_gymnasium_space(env.action_space(params))
+        self._act_jax_space = to_jax_space(self.action_space)
+        step_fn = env.step_env if hasattr(env, "step_env") else env.step
+        self._reset_fn = jax.jit(env.reset)
+        self._step_fn = jax.jit(step_fn)
+        self._key: jax.Array | None = None
+        self._state: Any = None
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
+        """Reset the JAX env with a key drawn from ``np_random``; returns ``(obs, info)``."""
+        if seed is None and self._np_random is None and self._seed is not None:
+            seed = self._seed
+        super().reset(seed=seed)
+        key = jax.random.key(int(self.np_random.integers(0, np.iinfo(np.int32).max)))
+        self._key, sub = jax.random.split(key)
+        obs, self._state = self._reset_fn(sub, self.params)
+        return self._to_numpy(obs, self.observation_space), {}
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        """Step the JAX env; returns ``(obs, reward, terminated, truncated, info)``."""
+        if self._state is None:
+            raise ValueError("JaxToGymnasium.step was called before reset")
+        if not self.action_space.contains(action):
+            raise ValueError(f"action {action!r} is not an element of {self.action_space}")
+        self._key, sub = jax.random.split(self._key)
+        action = jax.tree_util.tree_map(jnp.asarray, action)
+        out = self._step_fn(sub, self._state, action, self.params)
+        if len(out) == 6:
+            obs, state, reward, terminated, truncated, info = out
+        elif len(out) == 5:
+            obs, state, reward, terminated, info = out
+            truncated = False
+        else:
+            raise ValueError(
+                f"the JAX env's step returned {len(out)} values; expected 5 (obs, state, "
+                "reward, done, info) or 6 (obs, state, reward, terminated, truncated, info)"
+            )
+        self._state = state
+        info = jax.tree_util.tree_map(np.array, dict(info or {}))
+        return (
+            self._to_numpy(obs, self.observation_space),
+            float(reward),
+            bool(terminated),
+            bool(truncated),
+            info,
+        )
+
+    def render(self) -> np.ndarray | None:
+        """The current frame (``render_mode="rgb_array"``), or None without a render mode."""
+        if self.render_mode is None or self._state is None:
+            return None
+        return np.array(self.jax_env.render(self._state, self.params), dtype=np.uint8)
+
+    def _to_numpy(self, x: Any, space: gymnasium.Space) -> Any:
+        if isinstance(space, gymnasium.spaces.Tuple):
+            return tuple(self._to_numpy(xi, s) for xi, s in zip(x, space.spaces))
+        if isinstance(space, gymnasium.spaces.Dict):
+            return {k: self._to_numpy(x[k], s) for k, s in space.spaces.items()}
+        arr = np.array(x, dtype=space.dtype)
+        if isinstance(space, gymnasium.spaces.Discrete):
+            return arr.reshape(()).astype(np.int64)[()]
+        return arr

@@ -1,0 +1,621 @@
+"""JAX counterparts of the gymnasium spaces, and exact conversion in both directions."""
+
+from __future__ import annotations
+
+import collections.abc
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import gymnasium
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "Box",
+    "Dict",
+    "Discrete",
+    "MultiBinary",
+    "MultiDiscrete",
+    "Space",
+    "Tuple",
+    "to_gymnasium_space",
+    "to_jax_space",
+]
+
+
+def _canonical(dtype: Any) -> np.dtype:
+    """The dtype JAX uses for ``dtype`` under the current x64 setting."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype)))
+
+
+def _false() -> jax.Array:
+    return jnp.asarray(False)
+
+
+def _as_array(x: Any) -> jax.Array | None:
+    """``x`` as a JAX array, or None when it is not array-like (a str, a dict, ...)."""
+    if isinstance(x, (str, bytes, Mapping)) or x is None:
+        return None
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError):
+        return None
+
+
+class Space:
+    """Base class of the JAX spaces.
+
+    A space describes a set of values with a fixed structure, ``shape`` and ``dtype``. Its
+    :meth:`sample` and :meth:`contains` are pure functions of JAX arrays, so they can be
+    jitted, vmapped and used inside :func:`jax.lax.scan`.
+    """
+
+    shape: Any
+    dtype: Any
+
+    def sample(self, key: jax.Array) -> Any:
+        """Draw a random element of the space with the PRNG key ``key``."""
+        raise NotImplementedError
+
+    def contains(self, x: Any) -> jax.Array:
+        """Whether ``x`` is an element of the space, as a boolean JAX scalar."""
+        raise NotImplementedError
+
+    def shape_dtype(self) -> Any:
+        """The element structure as a pytree of :class:`jax.ShapeDtypeStruct`.
+
+        The dtypes are the ones JAX uses (64-bit dtypes become 32-bit ones unless
+        ``jax_enable_x64`` is set), which is what :meth:`sample` returns.
+        """
+        raise NotImplementedError
+
+    def __contains__(self, x: Any) -> bool:
+        return bool(self.contains(x))
+
+
+class Box(Space):
+    r"""A (possibly unbounded) box :math:`[\text{low}, \text{high}]` in :math:`\mathbb{R}^n`.
+
+    Same constructor as :class:`gymnasium.spaces.Box`: ``low`` and ``high`` are scalars or
+    arrays broadcast to ``shape``. Bounds may be infinite for float dtypes; integer boxes
+    need finite bounds.
+
+    :meth:`sample` draws uniformly where both bounds are finite, from a shifted exponential
+    where only one is, and from a standard normal where neither is (gymnasium's rule);
+    integer boxes sample uniformly from :math:`\{\text{low},\dots,\text{high}\}`.
+
+    Parameters
+    ----------
+    low, high : float or array
+        The bounds.
+    shape : tuple of int, optional
+        The shape; inferred from ``low``/``high`` when omitted.
+    dtype : numpy dtype, optional
+        The element dtype (float32 by default).
+
+    Examples
+    --------
+    >>> import jax
+    >>> box = Box(low=-1.0, high=1.0, shape=(3,))
+    >>> x = jax.jit(box.sample)(jax.random.key(0))
+    >>> x.shape, x.dtype, bool(box.contains(x))
+    ((3,), dtype('float32'), True)
+    """
+
+    def __init__(
+        self, low: Any, high: Any, shape: Sequence[int] | None = None, dtype: Any = np.float32
+    ) -> None:
+        self.dtype = np.dtype(dtype)
+        if not (
+            np.issubdtype(self.dtype, np.floating)
+            or np.issubdtype(self.dtype, np.integer)
+            or self.dtype == np.bool_
+        ):
+            raise TypeError(f"Box dtype must be a float, integer or bool dtype, got {self.dtype}")
+        if shape is None:
+            shape = np.broadcast_shapes(np.shape(low), np.shape(high))
+        self.shape = tuple(int(d) for d in shape)
+        try:
+            self.low = np.array(np.broadcast_to(low, self.shape), dtype=self.dtype)
+            self.high = np.array(np.broadcast_to(high, self.shape), dtype=self.dtype)
+        except ValueError as e:
+            raise ValueError(
+                f"Box bounds of shapes {np.shape(low)} and {np.shape(high)} do not broadcast "
+                f"to shape {self.shape}"
+            ) from e
+        if np.any(self.low > self.high):
+            raise ValueError(f"Box needs low <= high everywhere, got low={low!r}, high={high!r}")
+        self.low.setflags(write=False)
+        self.high.setflags(write=False)
+
+    def sample(self, key: jax.Array) -> jax.Array:
+        """Draw a random element of the box (see the class docstring for the distribution)."""
+        cdt = _canonical(self.dtype)
+        if not np.issubdtype(self.dtype, np.floating):
+            wide = _canonical(np.int64)
+            info = np.iinfo(wide)
+            low = np.clip(self.low.astype(np.float64), info.min, info.max - 1).astype(wide)
+            high = np.clip(self.high.astype(np.float64) + 1, info.min + 1, info.max).astype(wide)
+            x = jax.random.randint(key, self.shape, low, high, dtype=wide)
+            return jnp.clip(x, low, high - 1).astype(cdt)
+        ftype = cdt if np.dtype(cdt).itemsize >= 4 else np.dtype(np.float32)
+        below = np.isfinite(self.low)
+        above = np.isfinite(self.high)
+        low = np.where(below, self.low, 0).astype(ftype)
+        high = np.where(above, self.high, 0).astype(ftype)
+        k_u, k_e, k_n = jax.random.split(key, 3)
+        u = jax.random.uniform(k_u, self.shape, ftype)
+        e = jax.random.exponential(k_e, self.shape, ftype)
+        n = jax.random.normal(k_n, self.shape, ftype)
+        x = jnp.where(
+            below & above,
+            (1 - u) * low + u * high,
+            jnp.where(below, low + e, jnp.where(above, high - e, n)),
+        )
+        x = jnp.clip(x, jnp.where(below, low, -jnp.inf), jnp.where(above, high, jnp.inf))
+        x = x.astype(cdt)
+        # rounding to a narrower dtype may step over a bound: clip again in the final dtype
+        return jnp.clip(x, jnp.asarray(self.low, cdt), jnp.asarray(self.high, cdt))
+
+    def contains(self, x: Any) -> jax.Array:
+        """Whether ``x`` has the box's shape, a castable dtype, and lies within the bounds.
+
+        Like gymnasium, arrays must have a dtype that casts safely to the box's dtype, while
+        Python scalars and lists are first converted to it.
+        """
+        cdt = _canonical(self.dtype)
+        if not isinstance(x, (np.ndarray, np.generic, jax.Array)):
+            try:
+                x = jnp.asarray(x, cdt)
+            except (TypeError, ValueError):
+                return _false()
+        x = _as_array(x)
+        if x is None or x.shape != self.shape or not np.can_cast(x.dtype, cdt):
+            return _false()
+        return jnp.all((x >= jnp.asarray(self.low, cdt)) & (x <= jnp.asarray(self.high, cdt)))
+
+    def shape_dtype(self) -> jax.ShapeDtypeStruct:
+        """The element shape and (JAX) dtype."""
+        return jax.ShapeDtypeStruct(self.shape, _canonical(self.dtype))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Box)
+            and self.shape == other.shape
+            and self.dtype == other.dtype
+            and np.array_equal(self.low, other.low)
+            and np.array_equal(self.high, other.high)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        lo, hi = self.low, self.high
+        if lo.size and np.all(lo == lo.flat[0]) and np.all(hi == hi.flat[0]):
+            lo, hi = lo.flat[0], hi.flat[0]
+        return f"Box({lo}, {hi}, {self.shape}, {self.dtype})"
+
+
+class Discrete(Space):
+    r"""The integers :math:`\{\text{start}, \dots, \text{start} + n - 1\}`.
+
+    Parameters
+    ----------
+    n : int
+        The number of elements (positive).
+    start : int, optional
+        The smallest element.
+    dtype : numpy integer dtype, optional
+        The element dtype (int64 like gymnasium; JAX uses int32 unless x64 is enabled).
+
+    Examples
+    --------
+    >>> import jax
+    >>> space = Discrete(3, start=1)
+    >>> int(space.sample(jax.random.key(0))) in {1, 2, 3}
+    True
+    >>> bool(space.contains(0)), bool(space.contains(3))
+    (False, True)
+    """
+
+    def __init__(self, n: int, start: int = 0, dtype: Any = np.int64) -> None:
+        if int(n) != n or int(n) <= 0:
+            raise ValueError(f"Discrete needs a positive integer n, got {n!r}")
+        self.dtype = np.dtype(dtype)
+        if not np.issubdtype(self.dtype, np.integer):
+            raise TypeError(f"Discrete dtype must be an integer dtype, got {self.dtype}")
+        self.n = int(n)
+        self.start = int(start)
+        self.shape = ()
+
+    def sample(self, key: jax.Array) -> jax.Array:
+        """Draw an element uniformly at random."""
+        cdt = _canonical(self.dtype)
+        return (self.start + jax.random.randint(key, (), 0, self.n, dtype=cdt)).astype(cdt)
+
+    def contains(self, x: Any) -> jax.Array:
+        """Whether ``x`` is an integer scalar in range."""
+        x = _as_array(x)
+        if x is None or x.shape != () or not jnp.issubdtype(x.dtype, jnp.integer):
+            return _false()
+        return (x >= self.start) & (x < self.start + self.n)
+
+    def shape_dtype(self) -> jax.ShapeDtypeStruct:
+        """The element shape ``()`` and (JAX) dtype."""
+        return jax.ShapeDtypeStruct((), _canonical(self.dtype))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Discrete)
+            and (self.n, self.start, self.dtype) == (other.n, other.start, other.dtype)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        start = f", start={self.start}" if self.start else ""
+        return f"Discrete({self.n}{start})"
+
+
+class MultiDiscrete(Space):
+    r"""An array of independent discrete variables, entry ``i`` in
+    :math:`\{\text{start}_i, \dots, \text{start}_i + \text{nvec}_i - 1\}`.
+
+    Parameters
+    ----------
+    nvec : array of int
+        The number of values of each entry (positive); its shape is the space's shape.
+    dtype : numpy integer dtype, optional
+        The element dtype.
+    start : array of int, optional
+        The smallest value of each entry (zeros by default).
+
+    Examples
+    --------
+    >>> import jax
+    >>> space = MultiDiscrete([2, 5])
+    >>> x = space.sample(jax.random.key(1))
+    >>> x.shape, bool(space.contains(x))
+    ((2,), True)
+    """
+
+    def __init__(self, nvec: Any, dtype: Any = np.int64, start: Any = None) -> None:
+        self.dtype = np.dtype(dtype)
+        if not np.issubdtype(self.dtype, np.integer):
+            raise TypeError(f"MultiDiscrete dtype must be an integer dtype, got {self.dtype}")
+        self.nvec = np.array(nvec, dtype=self.dtype, copy=True)
+        if self.nvec.size == 0 or np.any(self.nvec <= 0):
+            raise ValueError(f"MultiDiscrete needs positive entries in nvec, got {nvec!r}")
+        if start is None:
+            start = np.zeros_like(self.nvec)
+        self.start = np.array(np.broadcast_to(start, self.nvec.shape), dtype=self.dtype)
+        self.shape = self.nvec.shape
+        self.nvec.setflags(write=False)
+        self.start.setflags(write=False)
+
+    def sample(self, key: jax.Array) -> jax.Array:
+        """Draw each entry uniformly at random."""
+        cdt = _canonical(self.dtype)
+        nvec = self.nvec.astype(cdt)
+        start = self.start.astype(cdt)
+        return start + jax.random.randint(key, self.shape, 0, nvec, dtype=cdt)
+
+    def contains(self, x: Any) -> jax.Array:
+        """Whether ``x`` is an integer array of the right shape with every entry in range."""
+        x = _as_array(x)
+        if x is None or x.shape != self.shape or not jnp.issubdtype(x.dtype, jnp.integer):
+            return _false()
+        return jnp.all((x >= self.start) & (x < self.start + self.nvec))
+
+    def shape_dtype(self) -> jax.ShapeDtypeStruct:
+        """The element shape and (JAX) dtype."""
+        return jax.ShapeDtypeStruct(self.shape, _canonical(self.dtype))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, MultiDiscrete)
+            and self.dtype == other.dtype
+            and self.shape == other.shape
+            and np.array_equal(self.nvec, other.nvec)
+            and np.array_equal(self.start, other.start)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"MultiDiscrete({self.nvec.tolist()})"
+
+
+class MultiBinary(Space):
+    """Arrays of zeros and ones (int8).
+
+    Parameters
+    ----------
+    n : int or tuple of int
+        The number of entries, or the shape of the array.
+
+    Examples
+    --------
+    >>> import jax
+    >>> space = MultiBinary(4)
+    >>> x = space.sample(jax.random.key(0))
+    >>> x.shape, x.dtype, bool(space.contains(x))
+    ((4,), dtype('int8'), True)
+    """
+
+    def __init__(self, n: int | Sequence[int]) -> None:
+        if isinstance(n, (int, np.integer)):
+            self.n: int | tuple[int, ...] = int(n)
+            self.shape = (int(n),)
+        else:
+            self.n = tuple(int(d) for d in n)
+            self.shape = self.n
+        if any(d <= 0 for d in self.shape):
+            raise ValueError(f"MultiBinary needs positive sizes, got {n!r}")
+        self.dtype = np.dtype(np.int8)
+
+    def sample(self, key: jax.Array) -> jax.Array:
+        """Draw each entry as a fair coin flip."""
+        return jax.random.bernoulli(key, 0.5, self.shape).astype(jnp.int8)
+
+    def contains(self, x: Any) -> jax.Array:
+        """Whether ``x`` has the right shape and only zeros and ones."""
+        x = _as_array(x)
+        if x is None or x.shape != self.shape:
+            return _false()
+        return jnp.all((x == 0) | (x == 1))
+
+    def shape_dtype(self) -> jax.ShapeDtypeStruct:
+        """The element shape and dtype (int8)."""
+        return jax.ShapeDtypeStruct(self.shape, jnp.int8)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MultiBinary) and self.n == other.n
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"MultiBinary({self.n})"
+
+
+class Tuple(Space):
+    """A tuple of spaces; elements are tuples.
+
+    ``shape`` and ``dtype`` are tuples of the subspaces' shapes and dtypes.
+
+    Parameters
+    ----------
+    spaces : sequence of Space
+        The subspaces.
+
+    Examples
+    --------
+    >>> import jax
+    >>> space = Tuple([Discrete(2), Box(0.0, 1.0, (2,))])
+    >>> a, b = space.sample(jax.random.key(0))
+    >>> b.shape, bool(space.contains((a, b)))
+    ((2,), True)
+    """
+
+    def __init__(self, spaces: Sequence[Space]) -> None:
+        self.spaces = tuple(spaces)
+        for s in self.spaces:
+            if not isinstance(s, Space):
+                raise TypeError(f"Tuple expects JAX spaces, got {s!r}")
+        self.shape = tuple(s.shape for s in self.spaces)
+        self.dtype = tuple(s.dtype for s in self.spaces)
+
+    def sample(self, key: jax.Array) -> tuple:
+        """Sample every subspace with its own subkey."""
+        keys = jax.random.split(key, len(self.spaces))
+        return tuple(s.sample(k) for s, k in zip(self.spaces, keys))
+
+    def contains(self, x: Any) -> jax.Array:
+        """Whether ``x`` is a tuple (or list) of matching length with every item contained."""
+        if not isinstance(x, (tuple, list)) or len(x) != len(self.spaces):
+            return _false()
+        out = jnp.asarray(True)
+        for s, xi in zip(self.spaces, x):
+            out = out & s.contains(xi)
+        return out
+
+    def shape_dtype(self) -> tuple:
+        """A tuple of the subspaces' shape-dtype structures."""
+        return tuple(s.shape_dtype() for s in self.spaces)
+
+    def __getitem__(self, index: int) -> Space:
+        return self.spaces[index]
+
+    def __len__(self) -> int:
+        return len(self.spaces)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Tuple) and self.spaces == other.spaces
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Tuple({', '.join(map(repr, self.spaces))})"
+
+
+class Dict(Space):
+    """A dictionary of spaces; elements are dicts with the same keys (order kept).
+
+    ``shape`` and ``dtype`` are dicts of the subspaces' shapes and dtypes.
+
+    Parameters
+    ----------
+    spaces : mapping of str to Space
+        The subspaces, in the order given.
+
+    Examples
+    --------
+    >>> import jax
+    >>> space = Dict({"pos": Box(-1.0, 1.0, (2,)), "id": Discrete(4)})
+    >>> x = space.sample(jax.random.key(0))
+    >>> sorted(x), bool(space.contains(x))
+    (['id', 'pos'], True)
+    """
+
+    def __init__(self, spaces: Mapping[str, Space]) -> None:
+        self.spaces = dict(spaces)
+        for k, s in self.spaces.items():
+            if not isinstance(s, Space):
+                raise TypeError(f"Dict expects JAX spaces, got {s!r} for key {k!r}")
+        self.shape = {k: s.shape for k, s in self.spaces.items()}
+        self.dtype = {k: s.dtype for k, s in self.spaces.items()}
+
+    def sample(self, key: jax.Array) -> dict:
+        """Sample every subspace with its own subkey."""
+        keys = jax.random.split(key, len(self.spaces))
+        return {k: s.sample(kk) for (k, s), kk in zip(self.spaces.items(), keys)}
+
+    def contains(self, x: Any) -> jax.Array:
+        """Whether ``x`` is a mapping with exactly these keys and every value contained."""
+        if not isinstance(x, Mapping) or set(x) != set(self.spaces):
+            return _false()
+        out = jnp.asarray(True)
+        for k, s in self.spaces.items():
+            out = out & s.contains(x[k])
+        return out
+
+    def shape_dtype(self) -> dict:
+        """A dict of the subspaces' shape-dtype structures."""
+        return {k: s.shape_dtype() for k, s in self.spaces.items()}
+
+    def __getitem__(self, key: str) -> Space:
+        return self.spaces[key]
+
+    def __len__(self) -> int:
+        return len(self.spaces)
+
+    def keys(self) -> collections.abc.KeysView:
+        """The keys, in order."""
+        return self.spaces.keys()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Dict) and list(self.spaces.items()) == list(
+            other.spaces.items()
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        items = ", ".join(f"{k!r}: {s!r}" for k, s in self.spaces.items())
+        return f"Dict({{{items}}})"
+
+
+_SUPPORTED = "Box, Discrete, MultiDiscrete, MultiBinary, Tuple, Dict"
+
+
+def to_jax_space(space: gymnasium.Space) -> Space:
+    """Convert a gymnasium space to the equivalent JAX space.
+
+    Bounds, dtypes, ``start`` offsets and nesting are kept exactly, so
+    ``to_gymnasium_space(to_jax_space(s))`` equals ``s``.
+
+    Parameters
+    ----------
+    space : gymnasium.Space
+        A Box, Discrete, MultiDiscrete, MultiBinary, Tuple or Dict space (nested freely).
+
+    Returns
+    -------
+    Space
+        The JAX space.
+
+    Raises
+    ------
+    TypeError
+        For spaces without a fixed-shape array form (Text, Graph, Sequence, OneOf, ...) or
+        objects that are not gymnasium spaces.
+
+    Examples
+    --------
+    >>> import gymnasium
+    >>> to_jax_space(gymnasium.spaces.Discrete(3, start=-1))
+    Discrete(3, start=-1)
+    """
+    s = gymnasium.spaces
+    if isinstance(space, s.Box):
+        return Box(space.low, space.high, space.shape, space.dtype)
+    if isinstance(space, s.Discrete):
+        return Discrete(int(space.n), int(space.start), space.dtype)
+    if isinstance(space, s.MultiDiscrete):
+        return MultiDiscrete(space.nvec, space.dtype, space.start)
+    if isinstance(space, s.MultiBinary):
+        return MultiBinary(space.n)
+    if isinstance(space, s.Tuple):
+        return Tuple([to_jax_space(sp) for sp in space.spaces])
+    if isinstance(space, s.Dict):
+        return Dict({k: to_jax_space(sp) for k, sp in space.spaces.items()})
+    if isinstance(space, Space):
+        return space
+    name = type(space).__name__
+    raise TypeError(
+        f"cannot convert the {name} space {space!r} to a JAX space: it has no fixed-shape "
+        f"array form; supported spaces are {_SUPPORTED}"
+    )
+
+
+def to_gymnasium_space(space: Any) -> gymnasium.Space:
+    """Convert a JAX space (or a gymnax-style space) to the equivalent gymnasium space.
+
+    Besides this module's spaces, duck-typed gymnax spaces are understood: objects with
+    ``num_categories`` (Discrete), with ``low``, ``high``, ``shape`` and ``dtype`` (Box), and
+    with a tuple or dict ``spaces`` attribute (Tuple, Dict). A gymnasium space is returned
+    as it is.
+
+    Parameters
+    ----------
+    space : Space
+        The space to convert.
+
+    Returns
+    -------
+    gymnasium.Space
+        The gymnasium space.
+
+    Raises
+    ------
+    TypeError
+        When ``space`` is not a space of a supported kind.
+
+    Examples
+    --------
+    >>> to_gymnasium_space(Box(0.0, 1.0, (2,)))
+    Box(0.0, 1.0, (2,), float32)
+    """
+    s = gymnasium.spaces
+    if isinstance(space, gymnasium.Space):
+        return space
+    if isinstance(space, Box):
+        return s.Box(space.low, space.high, space.shape, space.dtype)
+    if isinstance(space, Discrete):
+        return s.Discrete(space.n, start=space.start, dtype=space.dtype)
+    if isinstance(space, MultiDiscrete):
+        return s.MultiDiscrete(space.nvec, dtype=space.dtype, start=space.start)
+    if isinstance(space, MultiBinary):
+        return s.MultiBinary(space.n)
+    if isinstance(space, Tuple):
+        return s.Tuple([to_gymnasium_space(sp) for sp in space.spaces])
+    if isinstance(space, Dict):
+        return s.Dict([(k, to_gymnasium_space(sp)) for k, sp in space.spaces.items()])
+    # duck-typed gymnax spaces
+    if hasattr(space, "num_categories"):
+        dtype = np.dtype(getattr(space, "dtype", np.int64))
+        return s.Discrete(int(space.num_categories), dtype=dtype)
+    if all(hasattr(space, a) for a in ("low", "high", "shape", "dtype")):
+        return s.Box(
+            np.asarray(space.low), np.asarray(space.high), tuple(space.shape), np.dtype(space.dtype)
+        )
+    sub = getattr(space, "spaces", None)
+    if isinstance(sub, Mapping):
+        return s.Dict([(k, to_gymnasium_space(sp)) for k, sp in sub.items()])
+    if isinstance(sub, (tuple, list)):
+        return s.Tuple([to_gymnasium_space(sp) for sp in sub])
+    raise TypeError(
+        f"cannot convert {type(space).__name__} {space!r} to a gymnasium space; supported "
+        f"spaces are {_SUPPORTED} (JAX or gymnax-style)"
+    )
