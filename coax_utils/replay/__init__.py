@@ -1,7 +1,39 @@
 """Transitions, n-step tracing, and replay buffers (host-side and jittable)."""
 
+from coax_utils.replay._functional import PrioritizedBuffer  # noqa: I001 (one name per line)
+from coax_utils.replay._functional import PrioritizedBufferState
+from coax_utils.replay._functional import PrioritizedSample
+from coax_utils.replay._functional import UniformBuffer
+from coax_utils.replay._functional import UniformBufferState
+from coax_utils.replay._functional import make_prioritized_buffer
+from coax_utils.replay._functional import make_uniform_buffer
+from coax_utils.replay._host import PrioritizedReplayBuffer
+from coax_utils.replay._host import SequenceSample
+from coax_utils.replay._host import SimpleReplayBuffer
+from coax_utils.replay._record import RecordTransitions
+from coax_utils.replay._record import RecordVectorTransitions
+from coax_utils.replay._tracing import EpisodeDoneError
+from coax_utils.replay._tracing import InsufficientCacheError
+from coax_utils.replay._tracing import MonteCarlo
+from coax_utils.replay._tracing import NStep
 from coax_utils.replay._transition import TransitionBatch
 
 __all__ = [
+    "EpisodeDoneError",
+    "InsufficientCacheError",
+    "MonteCarlo",
+    "NStep",
+    "PrioritizedBuffer",
+    "PrioritizedBufferState",
+    "PrioritizedReplayBuffer",
+    "PrioritizedSample",
+    "RecordTransitions",
+    "RecordVectorTransitions",
+    "SequenceSample",
+    "SimpleReplayBuffer",
     "TransitionBatch",
+    "UniformBuffer",
+    "UniformBufferState",
+    "make_prioritized_buffer",
+    "make_uniform_buffer",
 ]

@@ -173,7 +173,11 @@ class TransitionBatch:
         def describe(x: Any) -> str:
             if x is None:
                 return "None"
-            return repr(jax.tree_util.tree_map(lambda v: f"{np.dtype(v.dtype)}{list(np.shape(v))}", x))
+            return repr(
+                jax.tree_util.tree_map(lambda v: f"{np.dtype(v.dtype)}{list(np.shape(v))}", x)
+            )
 
-        parts = ", ".join(f"{f.name}={describe(getattr(self, f.name))}" for f in dataclasses.fields(self))
+        parts = ", ".join(
+            f"{f.name}={describe(getattr(self, f.name))}" for f in dataclasses.fields(self)
+        )
         return f"TransitionBatch({parts})"

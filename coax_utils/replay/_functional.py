@@ -1,0 +1,532 @@
+r"""Jittable replay buffers: frozen containers of pure functions over pytree states.
+
+Random numbers come from a counter-based hash of the caller's ``key``: the key's data words
+are mixed with the position of each draw by two rounds of the murmur3 32-bit finalizer. This
+is deterministic in the key (same key, same sample; split keys as usual), costs a few integer
+operations per draw, and is several times cheaper than drawing from ``jax.random`` with the
+default threefry keys, which dominates the cost of a small replay sample on a CPU. The
+resulting indices are uniform up to a relative bias below ``size / 2**32`` (the modulo
+reduction of a 32-bit hash).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from coax_utils._dataclass import pytree_dataclass
+from coax_utils.replay._host import SequenceSample
+from coax_utils.utils._segment_tree_fn import (
+    SumTreeState,
+    sum_tree_init,
+    sum_tree_inverse_cdf,
+    sum_tree_set,
+    sum_tree_total,
+    sum_tree_values,
+)
+
+__all__ = [
+    "PrioritizedBuffer",
+    "PrioritizedBufferState",
+    "PrioritizedSample",
+    "UniformBuffer",
+    "UniformBufferState",
+    "make_prioritized_buffer",
+    "make_uniform_buffer",
+]
+
+
+# -- randomness ---------------------------------------------------------------------------
+
+
+def _fmix32(x: jax.Array) -> jax.Array:
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    words = jnp.asarray(key).astype(jnp.uint32).reshape(-1)
+    k0, k1 = words[0], words[-1]
+    for i in range(1, words.shape[0] - 1):  # fold in any further words (e.g. rbg keys)
+        k1 = _fmix32(k1 ^ words[i])
+    return k0, k1
+
+
+def _random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """uint32 hash bits, one per element of ``shape``, determined by ``key``."""
+    k0, k1 = _key_words(key)
+    seed = _fmix32(k1 ^ _fmix32(k0 ^ jnp.uint32(0x2545F491)))
+    count = jnp.arange(int(np.prod(shape)), dtype=jnp.uint32).reshape(shape)
+    x = _fmix32((count * jnp.uint32(0x9E3779B9)) ^ seed)
+    return _fmix32(x ^ k0)
+
+
+def _randint(key: jax.Array, shape: tuple[int, ...], span: jax.Array) -> jax.Array:
+    """int32 numbers in ``[0, span)`` (``span >= 1``, traced)."""
+    span = jnp.maximum(span, 1).astype(jnp.uint32)
+    return (_random_bits(key, shape) % span).astype(jnp.int32)
+
+
+def _uniform(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Floats in ``[0, 1)`` with 24 random bits."""
+    bits = _random_bits(key, shape) >> 8
+    return bits.astype(dtype) * jnp.asarray(2.0**-24, dtype)
+
+
+# -- shared helpers -------------------------------------------------------------------------
+
+
+def _check_capacity(capacity: Any) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+        raise TypeError(f"capacity must be a positive int, got {capacity!r}")
+    if not 1 <= capacity < 2**31:
+        raise ValueError(f"capacity must be an int in [1, 2**31), got {capacity!r}")
+    return int(capacity)
+
+
+def _check_static_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive (static) int, got {value!r}")
+    return int(value)
+
+
+def _init_storage(example_item: Any, capacity: int) -> Any:
+    def allocate(x: Any) -> jax.Array:
+        x = jnp.asarray(x)
+        return jnp.zeros((capacity,) + x.shape, x.dtype)
+
+    return jax.tree_util.tree_map(allocate, example_item)
+
+
+def _check_items(storage: Any, items: Any, capacity: int) -> int:
+    """Trace-time validation of ``items`` against the storage; return the batch size."""
+    if jax.tree_util.tree_structure(items) != jax.tree_util.tree_structure(storage):
+        raise ValueError(
+            "items differ in structure from the buffer's items: expected "
+            f"{jax.tree_util.tree_structure(storage)}, got {jax.tree_util.tree_structure(items)}"
+        )
+    sizes = set()
+    for x, s in zip(jax.tree_util.tree_leaves(items), jax.tree_util.tree_leaves(storage)):
+        shape, dtype = jnp.shape(x), jnp.result_type(x)
+        if len(shape) != s.ndim or shape[1:] != s.shape[1:] or dtype != s.dtype:
+            raise ValueError(
+                f"items need a leading batch axis and per-item shape {s.shape[1:]} with dtype "
+                f"{s.dtype}, got shape {shape} with dtype {dtype}"
+            )
+        sizes.add(shape[0])
+    if len(sizes) != 1:
+        raise ValueError(f"all leaves of items need the same batch size, got {sorted(sizes)}")
+    (batch_size,) = sizes
+    if batch_size > capacity:
+        raise ValueError(
+            f"cannot add {batch_size} items at once to a buffer of capacity {capacity}"
+        )
+    return batch_size
+
+
+def _episode_ids(counter: jax.Array, episode_end: Any, batch_size: int) -> tuple[Any, Any]:
+    if episode_end is None:
+        return jnp.full((batch_size,), counter, jnp.int32), counter
+    ends = jnp.broadcast_to(jnp.asarray(episode_end), (batch_size,)).astype(jnp.int32)
+    csum = jnp.cumsum(ends, dtype=jnp.int32)
+    return counter + csum - ends, counter + csum[-1]
+
+
+def _write(state: Any, items: Any, episode_end: Any, capacity: int) -> tuple[Any, jax.Array]:
+    batch_size = _check_items(state.items, items, capacity)
+    slots = (state.pos + jnp.arange(batch_size, dtype=jnp.int32)) % capacity
+    storage = jax.tree_util.tree_map(
+        lambda s, x: s.at[slots].set(x, unique_indices=True, mode="promise_in_bounds"),
+        state.items,
+        items,
+    )
+    episode, counter = _episode_ids(state.episode_counter, episode_end, batch_size)
+    new = state.replace(
+        items=storage,
+        pos=((state.pos + batch_size) % capacity).astype(jnp.int32),
+        size=jnp.minimum(state.size + batch_size, capacity).astype(jnp.int32),
+        episode=state.episode.at[slots].set(episode, unique_indices=True),
+        episode_counter=counter.astype(jnp.int32),
+    )
+    return new, slots
+
+
+def _gather(storage: Any, slots: jax.Array) -> Any:
+    return jax.tree_util.tree_map(
+        lambda s: s.at[slots].get(mode="promise_in_bounds"),
+        storage,
+    )
+
+
+def _sample_sequences(
+    state: Any, key: jax.Array, batch_size: int, length: int, capacity: int
+) -> SequenceSample:
+    batch_size = _check_static_int(batch_size, "batch_size")
+    length = _check_static_int(length, "length")
+    if length > capacity:
+        raise ValueError(f"length={length} exceeds the buffer's capacity {capacity}")
+    starts = _randint(key, (batch_size,), state.size - length + 1)
+    oldest = jnp.where(state.size < capacity, 0, state.pos)
+    slots = (oldest + starts[:, None] + jnp.arange(length, dtype=jnp.int32)) % capacity
+    episode = state.episode[slots]
+    mask = (episode == episode[:, :1]) & (starts[:, None] + jnp.arange(length) < state.size)
+    last = jnp.sum(mask, axis=1, keepdims=True) - 1
+    slots = jnp.take_along_axis(slots, jnp.minimum(jnp.arange(length), last), axis=1)
+    items = _gather(state.items, slots.reshape(-1))
+    items = jax.tree_util.tree_map(lambda x: x.reshape((batch_size, length) + x.shape[1:]), items)
+    return SequenceSample(items=items, mask=mask, indices=slots)
+
+
+_SEQ_DOC = """Sample ``batch_size`` contiguous windows of ``length`` items (jittable).
+
+        Window starts are uniform over the positions (in insertion order) that leave room for
+        ``length`` stored items. Windows never cross an episode boundary (rows added with
+        ``episode_end=True``): steps after the end of the first episode are *masked* and padded
+        by repeating the last valid step. ``batch_size`` and ``length`` are static. Returns a
+        :class:`SequenceSample` with ``items`` of shape ``(batch_size, length, ...)``, the mask
+        and the storage slots."""
+
+
+# -- uniform buffer ---------------------------------------------------------------------------
+
+
+@pytree_dataclass
+class UniformBufferState:
+    """State of a :func:`make_uniform_buffer` buffer (a pytree).
+
+    Attributes
+    ----------
+    items : pytree
+        The storage: every leaf has shape ``(capacity, ...)``.
+    pos : int32 Array
+        The next slot to write.
+    size : int32 Array
+        The number of filled slots (at most ``capacity``).
+    episode : int32 Array, shape ``(capacity,)``
+        Episode id of each slot (for sequence sampling).
+    episode_counter : int32 Array
+        Episode id given to the next item.
+    """
+
+    items: Any
+    pos: jax.Array
+    size: jax.Array
+    episode: jax.Array
+    episode_counter: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformBuffer:
+    """A jittable uniform replay buffer: pure functions over a :class:`UniformBufferState`.
+
+    Made by :func:`make_uniform_buffer`; see there for the functions.
+    """
+
+    init: Callable[[Any], UniformBufferState]
+    add: Callable[..., UniformBufferState]
+    sample: Callable[[UniformBufferState, jax.Array, int], Any]
+    can_sample: Callable[[UniformBufferState, int], jax.Array]
+    sample_sequences: Callable[..., SequenceSample]
+    capacity: int
+
+
+def make_uniform_buffer(capacity: int) -> UniformBuffer:
+    r"""Make a jittable ring buffer with uniform sampling.
+
+    The returned :class:`UniformBuffer` holds pure functions:
+
+    - ``init(example_item) -> state``: preallocate storage for ``capacity`` items shaped like
+      ``example_item`` (any pytree of arrays, *without* a batch axis).
+    - ``add(state, items, episode_end=None) -> state``: write ``items`` (leading batch axis of
+      size ``<= capacity``) at the write head, overwriting the oldest items when full.
+      ``episode_end`` (bool, per item) marks the last item of an episode; only
+      ``sample_sequences`` uses it.
+    - ``sample(state, key, batch_size) -> items``: ``batch_size`` (static) items drawn
+      uniformly with replacement from the filled slots (empty slots are never returned, as
+      long as the buffer is not empty).
+    - ``can_sample(state, batch_size) -> bool Array``: whether the buffer holds at least
+      ``batch_size`` items.
+    - ``sample_sequences(state, key, batch_size, length) -> SequenceSample``: contiguous
+      windows that never cross an episode boundary (masked; see :class:`SequenceSample`).
+
+    All of them are jittable and vmappable over a batch of states (e.g. one buffer per
+    environment); structure, shape and dtype mismatches raise ``ValueError`` while tracing.
+    The state is a pytree of arrays with fixed shapes and dtypes, so a jitted function never
+    retraces, the state can be checkpointed with :func:`coax_utils.utils.dump`, and ``add``
+    can update it in place when donated: ``jax.jit(buffer.add, donate_argnums=0)`` (do not
+    use the donated state afterwards).
+
+    Parameters
+    ----------
+    capacity : int
+        The maximum number of items.
+
+    Returns
+    -------
+    buffer : UniformBuffer
+
+    Raises
+    ------
+    ValueError
+        If ``capacity`` is not a positive int.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> buffer = make_uniform_buffer(capacity=4)
+    >>> state = buffer.init({"obs": jnp.zeros(2), "t": jnp.int32(0)})
+    >>> add = jax.jit(buffer.add, donate_argnums=0)
+    >>> state = add(state, {"obs": jnp.ones((6, 2)), "t": jnp.arange(6, dtype=jnp.int32)})
+    >>> int(state.size), sorted(state.items["t"].tolist())
+    (4, [2, 3, 4, 5])
+    >>> batch = jax.jit(buffer.sample, static_argnums=2)(state, jax.random.key(0), 8)
+    >>> batch["obs"].shape, bool(jnp.all(batch["t"] >= 2))
+    ((8, 2), True)
+    """
+    capacity = _check_capacity(capacity)
+
+    def init(example_item: Any) -> UniformBufferState:
+        return UniformBufferState(
+            items=_init_storage(example_item, capacity),
+            pos=jnp.zeros([], jnp.int32),
+            size=jnp.zeros([], jnp.int32),
+            episode=jnp.zeros((capacity,), jnp.int32),
+            episode_counter=jnp.zeros([], jnp.int32),
+        )
+
+    def add(state: UniformBufferState, items: Any, episode_end: Any = None) -> UniformBufferState:
+        return _write(state, items, episode_end, capacity)[0]
+
+    def sample(state: UniformBufferState, key: jax.Array, batch_size: int) -> Any:
+        batch_size = _check_static_int(batch_size, "batch_size")
+        return _gather(state.items, _randint(key, (batch_size,), state.size))
+
+    def can_sample(state: Any, batch_size: int) -> jax.Array:
+        return state.size >= jnp.maximum(batch_size, 1)
+
+    def sample_sequences(
+        state: Any, key: jax.Array, batch_size: int, length: int
+    ) -> SequenceSample:
+        return _sample_sequences(state, key, batch_size, length, capacity)
+
+    init.__doc__ = "Allocate the state for items shaped like ``example_item`` (no batch axis)."
+    add.__doc__ = "Add ``items`` (leading batch axis) to the ring; return the new state."
+    sample.__doc__ = "Sample ``batch_size`` (static) items uniformly with replacement."
+    can_sample.__doc__ = "Whether the buffer holds at least ``batch_size`` items."
+    sample_sequences.__doc__ = _SEQ_DOC
+    return UniformBuffer(init, add, sample, can_sample, sample_sequences, capacity)
+
+
+# -- prioritized buffer -----------------------------------------------------------------------
+
+
+@pytree_dataclass
+class PrioritizedBufferState:
+    """State of a :func:`make_prioritized_buffer` buffer (a pytree).
+
+    Attributes
+    ----------
+    items, pos, size, episode, episode_counter
+        As in :class:`UniformBufferState`.
+    tree : SumTreeState
+        The priorities :math:`p_i = (|\\delta_i| + \\epsilon)^\\alpha` (zero in empty slots).
+    max_priority : float32 Array
+        The largest priority :math:`p_i` set so far (1 initially), given to new items.
+    """
+
+    items: Any
+    pos: jax.Array
+    size: jax.Array
+    episode: jax.Array
+    episode_counter: jax.Array
+    tree: SumTreeState
+    max_priority: jax.Array
+
+
+@pytree_dataclass
+class PrioritizedSample:
+    """A prioritized sample: the items, where they came from and their importance weights.
+
+    Attributes
+    ----------
+    items : pytree
+        The sampled items, leaves of shape ``(batch_size, ...)``.
+    indices : int32 Array, shape ``(batch_size,)``
+        Storage slots of the items: pass them to ``update``.
+    weights : float32 Array, shape ``(batch_size,)``
+        Importance weights :math:`(N P(i))^{-\\beta}`, normalised to a batch maximum of 1.
+    """
+
+    items: Any
+    indices: jax.Array
+    weights: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PrioritizedBuffer:
+    """A jittable prioritized replay buffer: pure functions over a
+    :class:`PrioritizedBufferState`.
+
+    Made by :func:`make_prioritized_buffer`; see there for the functions.
+    """
+
+    init: Callable[[Any], PrioritizedBufferState]
+    add: Callable[..., PrioritizedBufferState]
+    sample: Callable[..., PrioritizedSample]
+    can_sample: Callable[[PrioritizedBufferState, int], jax.Array]
+    update: Callable[[PrioritizedBufferState, jax.Array, jax.Array], PrioritizedBufferState]
+    sample_sequences: Callable[..., SequenceSample]
+    capacity: int
+    alpha: float
+    beta: float
+    epsilon: float
+
+
+def make_prioritized_buffer(
+    capacity: int, alpha: float = 0.6, beta: float = 0.4, epsilon: float = 1e-6
+) -> PrioritizedBuffer:
+    r"""Make a jittable ring buffer with proportional prioritized sampling.
+
+    Items are sampled with probability :math:`P(i) = p_i / \sum_j p_j`, where
+    :math:`p_i = (|\delta_i| + \epsilon)^\alpha` for the priorities :math:`\delta_i` given to
+    ``update`` (e.g. TD errors; the sign is ignored). New items get the largest :math:`p`
+    set so far (1 initially), so each is likely to be sampled soon. Samples carry importance
+    weights
+
+    .. math::
+
+        w_i\ =\ \frac{\left(N\,P(i)\right)^{-\beta}}{\max_j \left(N\,P(j)\right)^{-\beta}}
+
+    with :math:`N` the number of stored items (flashbax returns only :math:`P(i)`). Empty
+    slots have priority 0 and are never sampled. The priorities live in a functional sum tree
+    (:func:`coax_utils.utils.sum_tree_init`).
+
+    The returned :class:`PrioritizedBuffer` holds ``init``, ``add``, ``can_sample`` and
+    ``sample_sequences`` as in :func:`make_uniform_buffer`, plus:
+
+    - ``sample(state, key, batch_size, beta=None) -> PrioritizedSample``: ``batch_size``
+      (static) items drawn with replacement; ``beta`` overrides the factory's value and may be
+      a traced scalar (for an annealing schedule).
+    - ``update(state, indices, priorities) -> state``: set new priorities of the slots
+      ``indices`` (the ``indices`` of a sample). With duplicate indices the last one wins;
+      NaN or infinite priorities and indices of empty slots are ignored (nothing can be
+      raised inside a jitted function). If a slot was overwritten since it was sampled, the
+      new item gets the priority.
+
+    Everything is jittable, vmappable and donation-friendly
+    (``jax.jit(buffer.update, donate_argnums=0)``), as for :func:`make_uniform_buffer`.
+
+    Parameters
+    ----------
+    capacity : int
+        The maximum number of items.
+    alpha : float, optional
+        The priority exponent :math:`\alpha\ge0` (0: uniform sampling).
+    beta : float, optional
+        The importance-weight exponent :math:`\beta\ge0`.
+    epsilon : float, optional
+        The regulator :math:`\epsilon>0`.
+
+    Returns
+    -------
+    buffer : PrioritizedBuffer
+
+    Raises
+    ------
+    ValueError
+        If an argument is out of range.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> buffer = make_prioritized_buffer(capacity=8, alpha=1.0, beta=1.0)
+    >>> state = buffer.init(jnp.zeros(3))
+    >>> state = buffer.add(state, jnp.ones((4, 3)))
+    >>> state = buffer.update(state, jnp.array([0, 1, 2, 3]), jnp.array([0.0, 0.0, 5.0, 0.0]))
+    >>> sample = buffer.sample(state, jax.random.key(1), 16)
+    >>> sample.indices.tolist() == [2] * 16, sample.weights.shape
+    (True, (16,))
+    """
+    capacity = _check_capacity(capacity)
+    for name, value, low_ok in (
+        ("alpha", alpha, True),
+        ("beta", beta, True),
+        ("epsilon", epsilon, False),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+            raise ValueError(f"{name} must be a float, got {value!r}")
+        if not np.isfinite(value) or value < 0 or (value == 0 and not low_ok):
+            relation = ">= 0" if low_ok else "> 0"
+            raise ValueError(f"{name} must be a finite float {relation}, got {value!r}")
+    alpha, beta, epsilon = float(alpha), float(beta), float(epsilon)
+
+    def init(example_item: Any) -> PrioritizedBufferState:
+        return PrioritizedBufferState(
+            items=_init_storage(example_item, capacity),
+            pos=jnp.zeros([], jnp.int32),
+            size=jnp.zeros([], jnp.int32),
+            episode=jnp.zeros((capacity,), jnp.int32),
+            episode_counter=jnp.zeros([], jnp.int32),
+            tree=sum_tree_init(capacity, jnp.float32),
+            max_priority=jnp.ones([], jnp.float32),
+        )
+
+    def add(
+        state: PrioritizedBufferState, items: Any, episode_end: Any = None
+    ) -> PrioritizedBufferState:
+        state, slots = _write(state, items, episode_end, capacity)
+        values = jnp.broadcast_to(state.max_priority, slots.shape)
+        return state.replace(tree=sum_tree_set(state.tree, slots, values))
+
+    def sample(
+        state: PrioritizedBufferState, key: jax.Array, batch_size: int, beta: Any = None
+    ) -> PrioritizedSample:
+        batch_size = _check_static_int(batch_size, "batch_size")
+        beta_ = default_beta if beta is None else jnp.asarray(beta, jnp.float32)
+        u = _uniform(key, (batch_size,), jnp.float32)
+        indices = sum_tree_inverse_cdf(state.tree, u)
+        prob = sum_tree_values(state.tree)[indices] / sum_tree_total(state.tree)
+        # (N P)^-beta / max (N P)^-beta  ==  (P / min P)^-beta
+        weights = jnp.power(prob / jnp.min(prob), -beta_)
+        return PrioritizedSample(_gather(state.items, indices), indices, weights)
+
+    def update(
+        state: PrioritizedBufferState, indices: jax.Array, priorities: jax.Array
+    ) -> PrioritizedBufferState:
+        indices = jnp.asarray(indices, jnp.int32)
+        p = jnp.power(jnp.abs(jnp.asarray(priorities, jnp.float32)) + epsilon, alpha)
+        valid = jnp.isfinite(p) & (indices >= 0) & (indices < state.size)
+        # invalid entries are sent out of range: sum_tree_set ignores them
+        safe = jnp.where(valid, indices, capacity)
+        tree = sum_tree_set(state.tree, safe, jnp.where(valid, p, 0.0))
+        max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(valid, p, 0.0), initial=0.0))
+        return state.replace(tree=tree, max_priority=max_p)
+
+    def can_sample(state: Any, batch_size: int) -> jax.Array:
+        return state.size >= jnp.maximum(batch_size, 1)
+
+    def sample_sequences(
+        state: Any, key: jax.Array, batch_size: int, length: int
+    ) -> SequenceSample:
+        return _sample_sequences(state, key, batch_size, length, capacity)
+
+    default_beta = beta
+    init.__doc__ = "Allocate the state for items shaped like ``example_item`` (no batch axis)."
+    add.__doc__ = "Add ``items`` (leading batch axis) with the maximum priority; new state."
+    sample.__doc__ = "Sample ``batch_size`` (static) items by priority, with IS weights."
+    update.__doc__ = "Set the priorities of the slots ``indices``; return the new state."
+    can_sample.__doc__ = "Whether the buffer holds at least ``batch_size`` items."
+    sample_sequences.__doc__ = _SEQ_DOC
+    return PrioritizedBuffer(
+        init, add, sample, can_sample, update, sample_sequences, capacity, alpha, beta, epsilon
+    )

@@ -1,0 +1,206 @@
+"""Gymnasium wrappers that record every transition into a replay buffer."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import gymnasium
+import jax
+import numpy as np
+
+from coax_utils.replay._host import _RingStorage
+from coax_utils.replay._tracing import NStep
+from coax_utils.replay._transition import TransitionBatch
+
+__all__ = ["RecordTransitions", "RecordVectorTransitions"]
+
+
+def _copy_tree(x: Any) -> Any:
+    return jax.tree_util.tree_map(np.array, x)
+
+
+def _check_tracer(tracer: Any) -> Any:
+    if tracer is None:
+        return NStep(n=1, gamma=1.0)
+    for method in ("add", "pop", "reset"):
+        if not callable(getattr(tracer, method, None)):
+            raise TypeError(f"tracer must have an {method!r} method (e.g. NStep), got {tracer!r}")
+    return tracer
+
+
+def _check_buffer(buffer: Any) -> Any:
+    if not callable(getattr(buffer, "add", None)):
+        raise TypeError(f"buffer must have an 'add' method, got {buffer!r}")
+    return buffer
+
+
+def _drain(tracer: Any, buffer: Any, ended: bool) -> int:
+    """Move every available transition from ``tracer`` into ``buffer``; return the count."""
+    batches = []
+    while tracer:
+        batches.append(tracer.pop())
+    if not batches:
+        return 0
+    batch = TransitionBatch.concatenate(*batches)
+    if isinstance(buffer, _RingStorage):
+        ends = np.zeros(batch.batch_size, bool)
+        ends[-1] = ended and not len(tracer)
+        buffer.add(batch, episode_end=ends)
+    else:
+        buffer.add(batch)
+    return batch.batch_size
+
+
+class RecordTransitions(gymnasium.Wrapper):
+    r"""Record every transition of an environment into a replay buffer.
+
+    Each :meth:`step` feeds :math:`(S_t, A_t, R_t)` with the ``terminated`` and ``truncated``
+    flags (and the next observation, to bootstrap from after a truncation) into the tracer,
+    and adds whatever the tracer can pop to the buffer, so at the end of an episode (either
+    way) the tracer is flushed. A terminated episode's last transitions get ``In = 0``; a
+    truncated one keeps bootstrapping (see :class:`NStep`). Host buffers also get the
+    ``episode_end`` marks that :meth:`SimpleReplayBuffer.sample_sequences` uses. Calling
+    :meth:`reset` in the middle of an episode drops the transitions the tracer still holds
+    (they have no known end).
+
+    Given a gymnasium vector env, the constructor returns a :class:`RecordVectorTransitions`
+    instead (one tracer per sub-env).
+
+    Parameters
+    ----------
+    env : gymnasium.Env or gymnasium.vector.VectorEnv
+        The environment to wrap.
+    buffer : replay buffer
+        Anything with ``add(transition_batch)``, e.g. :class:`SimpleReplayBuffer`,
+        :class:`PrioritizedReplayBuffer` or a ``ReplayServer`` handle wrapper.
+    tracer : NStep or MonteCarlo, optional
+        The reward tracer (default: ``NStep(n=1, gamma=1.0)``, plain 1-step transitions).
+
+    Examples
+    --------
+    >>> import gymnasium
+    >>> from coax_utils.replay import NStep, SimpleReplayBuffer
+    >>> buffer = SimpleReplayBuffer(capacity=1000, random_seed=0)
+    >>> env = RecordTransitions(gymnasium.make("CartPole-v1"), buffer, NStep(n=3, gamma=0.9))
+    >>> s, info = env.reset(seed=0)
+    >>> done = truncated = False
+    >>> steps = 0
+    >>> while not (done or truncated):
+    ...     s, r, done, truncated, info = env.step(env.action_space.sample())
+    ...     steps += 1
+    >>> len(buffer) == steps
+    True
+    """
+
+    def __new__(cls, env: Any, buffer: Any, tracer: Any = None) -> Any:
+        if isinstance(env, gymnasium.vector.VectorEnv):
+            return RecordVectorTransitions(env, buffer, tracer)
+        return super().__new__(cls)
+
+    def __init__(self, env: gymnasium.Env, buffer: Any, tracer: Any = None) -> None:
+        super().__init__(env)
+        self.buffer = _check_buffer(buffer)
+        self.tracer = _check_tracer(tracer)
+        self._obs: Any = None
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict]:
+        """Reset the env (and the tracer); see :meth:`gymnasium.Env.reset`."""
+        obs, info = self.env.reset(**kwargs)
+        self.tracer.reset()
+        self._obs = _copy_tree(obs)
+        return obs, info
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict]:
+        """Step the env and record the transition; see :meth:`gymnasium.Env.step`."""
+        if self._obs is None:
+            raise RuntimeError("call reset() before step()")
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        obs_copy = _copy_tree(obs)
+        self.tracer.add(
+            self._obs,
+            _copy_tree(action),
+            float(reward),
+            bool(terminated),
+            truncated=bool(truncated),
+            s_next=obs_copy,
+        )
+        ended = bool(terminated or truncated)
+        _drain(self.tracer, self.buffer, ended)
+        self._obs = obs_copy
+        return obs, reward, terminated, truncated, info
+
+
+class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
+    r"""Record every transition of a gymnasium vector env into a replay buffer.
+
+    Like :class:`RecordTransitions` (which returns this class for vector envs), with one copy
+    of the tracer per sub-env. All three autoreset modes of gymnasium's vector envs are
+    supported: with ``NEXT_STEP`` (the default) the reset step that follows an episode end is
+    not recorded, with ``SAME_STEP`` the final observation is read from
+    ``info["final_obs"]``, and with ``DISABLED`` a masked ``reset`` restarts the tracers of
+    the reset sub-envs. Transitions of the sub-envs are added interleaved, as they become
+    available; use one buffer per sub-env if episodes must be stored contiguously (for
+    sequence sampling).
+
+    Parameters
+    ----------
+    env : gymnasium.vector.VectorEnv
+        The vector environment.
+    buffer : replay buffer
+        Anything with ``add(transition_batch)``.
+    tracer : NStep or MonteCarlo, optional
+        The template tracer, copied once per sub-env (default ``NStep(n=1, gamma=1.0)``).
+    """
+
+    def __init__(self, env: gymnasium.vector.VectorEnv, buffer: Any, tracer: Any = None) -> None:
+        super().__init__(env)
+        self.buffer = _check_buffer(buffer)
+        template = _check_tracer(tracer)
+        self.tracers = [copy.deepcopy(template) for _ in range(self.num_envs)]
+        for t in self.tracers:
+            t.reset()
+        mode = env.metadata.get("autoreset_mode", gymnasium.vector.AutoresetMode.NEXT_STEP)
+        self._mode = gymnasium.vector.AutoresetMode(mode)
+        self._obs: Any = None
+        self._skip = np.zeros(self.num_envs, bool)
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict]:
+        """Reset the env (all sub-envs, or those in ``options["reset_mask"]``)."""
+        obs, info = self.env.reset(**kwargs)
+        options = kwargs.get("options") or {}
+        mask = options.get("reset_mask")
+        mask = np.ones(self.num_envs, bool) if mask is None else np.asarray(mask, bool)
+        for i in np.flatnonzero(mask):
+            self.tracers[i].reset()
+        self._skip[mask] = False
+        self._obs = _copy_tree(obs)
+        return obs, info
+
+    def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict]:
+        """Step the env and record one transition per sub-env."""
+        if self._obs is None:
+            raise RuntimeError("call reset() before step()")
+        obs, rewards, terminated, truncated, info = self.env.step(actions)
+        obs_copy = _copy_tree(obs)
+        for i in range(self.num_envs):
+            if self._skip[i]:  # NEXT_STEP autoreset: this step only reset sub-env i
+                continue
+            term, trunc = bool(terminated[i]), bool(truncated[i])
+            if self._mode == gymnasium.vector.AutoresetMode.SAME_STEP and (term or trunc):
+                s_next = _copy_tree(info["final_obs"][i])
+            else:
+                s_next = jax.tree_util.tree_map(lambda x, i=i: x[i], obs_copy)
+            self.tracers[i].add(
+                jax.tree_util.tree_map(lambda x, i=i: x[i], self._obs),
+                jax.tree_util.tree_map(lambda x, i=i: np.array(x[i]), actions),
+                float(rewards[i]),
+                term,
+                truncated=trunc,
+                s_next=s_next,
+            )
+            _drain(self.tracers[i], self.buffer, term or trunc)
+        ended = np.logical_or(terminated, truncated)
+        self._skip = ended & (self._mode == gymnasium.vector.AutoresetMode.NEXT_STEP)
+        self._obs = obs_copy
+        return obs, rewards, terminated, truncated, info

@@ -1,0 +1,336 @@
+"""Reward tracers: turn a stream of single steps into (n-step) :class:`TransitionBatch` rows."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from coax_utils.replay._transition import TransitionBatch
+
+__all__ = ["EpisodeDoneError", "InsufficientCacheError", "MonteCarlo", "NStep"]
+
+
+class EpisodeDoneError(ValueError):
+    """Raised when a tracer receives a step after its episode ended, before being emptied."""
+
+
+class InsufficientCacheError(IndexError):
+    """Raised when popping or flushing a tracer that has no complete transition yet."""
+
+
+class _BaseTracer:
+    """Shared bookkeeping of the tracers: episode end, truncation and the final state."""
+
+    gamma: float
+
+    def reset(self) -> None:
+        """Empty the tracer and forget the current episode."""
+        self._steps: deque = deque()  # (s, a, r, logp, w)
+        self._terminated = False
+        self._truncated = False
+        self._final: tuple | None = None  # (s_next, a_next, logp_next) to bootstrap from
+
+    @property
+    def _ended(self) -> bool:
+        return self._terminated or self._truncated
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def add(
+        self,
+        s: Any,
+        a: Any,
+        r: float,
+        done: bool,
+        logp: float = 0.0,
+        w: float = 1.0,
+        *,
+        truncated: bool = False,
+        s_next: Any = None,
+    ) -> None:
+        r"""Add one time step to the tracer.
+
+        Parameters
+        ----------
+        s : state observation
+            The state :math:`S_t`.
+        a : action
+            The action :math:`A_t`.
+        r : float
+            The reward :math:`R_t`.
+        done : bool
+            Whether the episode *terminated* after this step (:math:`S_{t+1}` is terminal:
+            no bootstrapping).
+        logp : float, optional
+            The log-propensity :math:`\log\pi(A_t|S_t)`.
+        w : float, optional
+            A sample weight.
+        truncated : bool, optional
+            Whether the episode was *truncated* after this step (e.g. a time limit). This ends
+            the trace but, unlike ``done``, keeps bootstrapping from the state that follows.
+            If both flags are set, termination wins.
+        s_next : state observation, optional
+            The observation :math:`S_{t+1}` that follows this step. Only used when the
+            episode is truncated, as the state to bootstrap from. Without it, the tracer
+            bootstraps from the state of the last step instead: that step's own transition
+            is dropped (it would have no reward left to accumulate) and the preceding
+            transitions use one step less.
+
+        Raises
+        ------
+        EpisodeDoneError
+            If the episode already ended and the tracer still holds transitions of it (pop or
+            flush them first).
+        ValueError
+            If ``r``, ``logp`` or ``w`` is not a finite number.
+        """
+        if self._ended and len(self):
+            raise EpisodeDoneError(
+                "the episode already ended; pop() or flush() its remaining transitions before "
+                "adding steps of a new episode"
+            )
+        for name, value in (("r", r), ("logp", logp), ("w", w)):
+            if not np.all(np.isfinite(np.asarray(value, dtype=np.float64))):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+        if self._ended:  # previous episode fully consumed: start a new one
+            self.reset()
+        self._steps.append((s, a, r, logp, w))
+        self._terminated = bool(done)
+        self._truncated = bool(truncated) and not self._terminated
+        if self._truncated:
+            if s_next is not None:
+                # the action at S_next was never taken; the last action is a placeholder
+                self._final = (s_next, a, logp)
+            else:
+                s_last, a_last, _, logp_last, _ = self._steps.pop()
+                self._final = (s_last, a_last, logp_last)
+
+    def flush(self) -> TransitionBatch:
+        """Pop all available transitions at once.
+
+        Returns
+        -------
+        transitions : TransitionBatch
+            The popped transitions concatenated along the batch axis, in time order.
+
+        Raises
+        ------
+        InsufficientCacheError
+            If no transition is available (see :meth:`pop`).
+        """
+        if not self:
+            raise InsufficientCacheError(
+                "the tracer holds no complete transition yet: add more steps (or end the "
+                "episode) before flushing"
+            )
+        batches = []
+        while self:
+            batches.append(self.pop())
+        return TransitionBatch.concatenate(*batches)
+
+    def pop(self) -> TransitionBatch:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class NStep(_BaseTracer):
+    r"""A short-term cache for :math:`n`-step bootstrapping.
+
+    Each popped transition carries the :math:`n`-step partial return and the bootstrap factor
+
+    .. math::
+
+        R^{(n)}_t\ =\ \sum_{j=0}^{k-1}\gamma^jR_{t+j}\,,\qquad
+        I^{(n)}_t\ =\ \left\{\begin{matrix}
+            0 & \text{if the episode terminated within the window} \\
+            \gamma^k & \text{otherwise}
+        \end{matrix}\right.
+
+    where :math:`k\le n` is the number of rewards actually accumulated (:math:`k<n` only at the
+    end of a truncated episode, where the window is cut short and ``S_next`` is the state that
+    followed the last step). After termination ``S_next``, ``A_next`` and ``logP_next`` are
+    placeholders (copies of ``S``, ``A``, ``logP``), as in coax.
+
+    The tracer is truthy while it can pop a transition: it holds more than :math:`n` steps, or
+    the episode ended and steps remain.
+
+    Parameters
+    ----------
+    n : int
+        The number of steps over which to bootstrap (``n >= 1``).
+    gamma : float
+        The discount factor in :math:`[0, 1]`.
+    record_extra_info : bool, optional
+        Store the :math:`n+1` states, actions, rewards, dones, log-propensities and weights of
+        each window in the ``extra_info`` field (tuples of length :math:`n+1`, in coax's
+        layout; entries past the end of the episode repeat the last step, with done True).
+
+    Examples
+    --------
+    >>> tracer = NStep(n=2, gamma=0.5)
+    >>> for t in range(4):
+    ...     tracer.add(s=t, a=0, r=1.0, done=(t == 3))
+    >>> batch = tracer.flush()
+    >>> batch.Rn.tolist(), batch.In.tolist()
+    ([1.5, 1.5, 1.5, 1.0], [0.25, 0.25, 0.0, 0.0])
+    >>> batch.S_next.tolist()[:2]
+    [2, 3]
+    """
+
+    def __init__(self, n: int, gamma: float, record_extra_info: bool = False) -> None:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        if not 0.0 <= float(gamma) <= 1.0:
+            raise ValueError(f"gamma must lie in [0, 1], got {gamma!r}")
+        self.n = int(n)
+        self.gamma = float(gamma)
+        self.record_extra_info = bool(record_extra_info)
+        self._gammas = np.power(self.gamma, np.arange(self.n + 1))
+        self.reset()
+
+    def __bool__(self) -> bool:
+        return len(self) > 0 and (self._ended or len(self) > self.n)
+
+    def pop(self) -> TransitionBatch:
+        """Pop the oldest complete transition.
+
+        Returns
+        -------
+        transition : TransitionBatch
+            A batch of size 1.
+
+        Raises
+        ------
+        InsufficientCacheError
+            If the tracer holds no complete transition (see the truthiness rule above).
+        """
+        if not self:
+            raise InsufficientCacheError(
+                f"the tracer needs more than n={self.n} steps, or the end of the episode, "
+                f"before it can pop (it holds {len(self)})"
+            )
+        extra_info = self._extra_info() if self.record_extra_info else None
+        k = min(self.n, len(self._steps))
+        rn = sum(self._gammas[j] * float(self._steps[j][2]) for j in range(k))
+        s, a, _, logp, w = self._steps.popleft()
+        if len(self._steps) >= self.n:
+            s_next, a_next, _, logp_next, _ = self._steps[self.n - 1]
+            factor = self._gammas[self.n]
+        elif self._truncated:
+            s_next, a_next, logp_next = self._final
+            factor = self._gammas[k]
+        else:  # terminated: no bootstrapping, placeholders for the *_next fields
+            s_next, a_next, logp_next = s, a, logp
+            factor = 0.0
+        return TransitionBatch.from_single(
+            s=s,
+            a=a,
+            logp=logp,
+            r=rn,
+            done=False,
+            gamma=float(factor),
+            s_next=s_next,
+            a_next=a_next,
+            logp_next=logp_next,
+            w=w,
+            extra_info=extra_info,
+        )
+
+    def _extra_info(self) -> dict:
+        names = ("states", "actions", "rewards", "dones", "log_props", "weights")
+        out: dict[str, list] = {name: [] for name in names}
+        last = len(self._steps) - 1
+        for j in range(self.n + 1):
+            i = min(j, last)
+            s, a, r, logp, w = self._steps[i]
+            done = j >= last and self._ended
+            for name, value in zip(names, (s, a, r, done, logp, w)):
+                out[name].append(value)
+        return {name: tuple(values) for name, values in out.items()}
+
+
+class MonteCarlo(_BaseTracer):
+    r"""A short-term cache for episodic Monte Carlo returns.
+
+    Transitions become available once the episode ends; they are popped last step first, each
+    with the discounted return to the end of the episode,
+
+    .. math::
+
+        G_t\ =\ \sum_{j=0}^{T-t-1}\gamma^jR_{t+j}\,.
+
+    After termination ``In = 0`` (no bootstrapping; ``S_next`` etc. are placeholders). After a
+    truncation the return is completed by bootstrapping: ``In`` is :math:`\gamma^{T-t}` and
+    ``S_next`` is the state that followed the last step (see :meth:`add`).
+
+    Parameters
+    ----------
+    gamma : float
+        The discount factor in :math:`[0, 1]`.
+
+    Examples
+    --------
+    >>> tracer = MonteCarlo(gamma=0.5)
+    >>> for t in range(3):
+    ...     tracer.add(s=t, a=0, r=1.0, done=(t == 2))
+    >>> batch = tracer.flush()
+    >>> batch.S.tolist(), batch.Rn.tolist(), batch.In.tolist()
+    ([2, 1, 0], [1.0, 1.5, 1.75], [0.0, 0.0, 0.0])
+    """
+
+    def __init__(self, gamma: float) -> None:
+        if not 0.0 <= float(gamma) <= 1.0:
+            raise ValueError(f"gamma must lie in [0, 1], got {gamma!r}")
+        self.gamma = float(gamma)
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty the tracer and forget the current episode."""
+        super().reset()
+        self._g = 0.0
+        self._k = 0
+
+    def __bool__(self) -> bool:
+        return len(self) > 0 and self._ended
+
+    def pop(self) -> TransitionBatch:
+        """Pop the latest step of the ended episode, with its return.
+
+        Returns
+        -------
+        transition : TransitionBatch
+            A batch of size 1.
+
+        Raises
+        ------
+        InsufficientCacheError
+            If the tracer is empty or the episode has not ended yet.
+        """
+        if not self:
+            raise InsufficientCacheError(
+                "MonteCarlo can pop only after the episode ended (done or truncated) and "
+                f"while steps remain (it holds {len(self)})"
+            )
+        s, a, r, logp, w = self._steps.pop()
+        self._g = float(r) + self.gamma * self._g
+        self._k += 1
+        if self._truncated:
+            s_next, a_next, logp_next = self._final
+            factor = self.gamma**self._k
+        else:
+            s_next, a_next, logp_next = s, a, logp
+            factor = 0.0
+        return TransitionBatch.from_single(
+            s=s,
+            a=a,
+            logp=logp,
+            r=self._g,
+            done=False,
+            gamma=float(factor),
+            s_next=s_next,
+            a_next=a_next,
+            logp_next=logp_next,
+            w=w,
+        )
