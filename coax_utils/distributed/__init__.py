@@ -7,5 +7,12 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "coax_utils.distributed needs Ray; install the extra: pip install coax_utils[distributed]"
     ) from exc
 
+from coax_utils.distributed._params import ParameterServer
+from coax_utils.distributed._server import ReplayServer
+from coax_utils.distributed._worker import RolloutWorker
+
 __all__ = [
+    "ParameterServer",
+    "ReplayServer",
+    "RolloutWorker",
 ]

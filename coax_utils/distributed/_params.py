@@ -1,0 +1,85 @@
+"""The :class:`ParameterServer` actor: the learner's latest parameters, versioned."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from coax_utils.distributed._actor import RemoteClass
+
+__all__ = ["ParameterServer"]
+
+
+def _to_host(params: Any) -> Any:
+    # Plain NumPy leaves: cheap to pickle, and readers need no accelerator.
+    return jax.tree_util.tree_map(np.asarray, params)
+
+
+class ParameterServer(RemoteClass):
+    """A Ray actor holding the latest policy parameters with a version number.
+
+    The learner publishes with ``set``; rollout workers poll with ``get_if_newer`` and
+    receive the parameters only when they changed. Leaves are stored as NumPy arrays.
+
+    Parameters
+    ----------
+    params : pytree, optional
+        Initial parameters (version 1); without them the version is 0 and ``get`` returns
+        ``(0, None)`` until the first ``set``.
+
+    Examples
+    --------
+    .. code-block:: python
+
+        store = ParameterServer.remote(params)
+        store.set.remote(jax.device_get(new_params))             # learner
+        version, params = ray.get(store.get.remote())            # worker, first pull
+        update = ray.get(store.get_if_newer.remote(version))     # None if unchanged
+    """
+
+    def __init__(self, params: Any = None) -> None:
+        self._lock = threading.Lock()
+        self._params = None if params is None else _to_host(params)
+        self._version = 0 if params is None else 1
+
+    def set(self, params: Any) -> int:
+        """Publish new parameters; returns the new version number.
+
+        Raises
+        ------
+        ValueError
+            If ``params`` is None.
+        """
+        if params is None:
+            raise ValueError("ParameterServer.set needs a parameter pytree, got None")
+        params = _to_host(params)
+        with self._lock:
+            self._params = params
+            self._version += 1
+            return self._version
+
+    def get(self) -> tuple[int, Any]:
+        """Return ``(version, params)``; ``(0, None)`` before anything was published."""
+        with self._lock:
+            return self._version, self._params
+
+    def get_if_newer(self, version: int) -> tuple[int, Any] | None:
+        """Return ``(version, params)`` if newer than ``version``, else None.
+
+        Parameters
+        ----------
+        version : int
+            The version the caller holds.
+        """
+        with self._lock:
+            if self._version > int(version):
+                return self._version, self._params
+            return None
+
+    def version(self) -> int:
+        """The version number of the latest parameters (0 if none were published)."""
+        with self._lock:
+            return self._version

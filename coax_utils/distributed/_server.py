@@ -1,0 +1,263 @@
+"""The :class:`ReplayServer` actor: one host replay buffer shared by many writers."""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+from typing import Any
+
+from coax_utils.distributed._actor import RemoteClass
+from coax_utils.replay import TransitionBatch
+
+__all__ = ["ReplayServer"]
+
+_BUFFER_METHODS = ("add", "sample", "__len__")
+
+
+def _check_buffer(buffer: Any) -> None:
+    missing = [name for name in _BUFFER_METHODS if not callable(getattr(buffer, name, None))]
+    if missing:
+        raise TypeError(
+            "ReplayServer needs a host replay buffer (e.g. coax_utils.replay."
+            "PrioritizedReplayBuffer) with methods add, sample and __len__; got "
+            f"{type(buffer).__name__} without {', '.join(missing)}"
+        )
+
+
+class ReplayServer(RemoteClass):
+    r"""A Ray actor that serves one host replay buffer to many writers and a learner.
+
+    Start it with ``ReplayServer.remote(buffer)``: the buffer (e.g. a
+    :class:`coax_utils.replay.PrioritizedReplayBuffer` or
+    :class:`coax_utils.replay.SimpleReplayBuffer`) is copied into the actor's process and
+    every method call runs there, one at a time. Rollout workers (any number of Ray tasks or
+    actors, e.g. :class:`RolloutWorker`) call ``add``; the learner calls ``sample`` and
+    ``update``. This is the replay side of Ape-X (Horgan et al., 2018).
+
+    Guarantees:
+
+    - **Nothing is lost.** Calls are serialized (a lock guards the buffer, also when the
+      actor is started with ``max_concurrency > 1``). Every accepted ``add`` is counted in
+      :meth:`num_added` and its transitions are either in the buffer or were evicted by the
+      buffer's ring (oldest first), never dropped.
+    - **Writers are independent.** A Ray call arrives whole or not at all, so a writer that
+      dies (or is killed with ``ray.kill``) leaves the server and the other writers as they
+      were.
+    - **Bad input is rejected, nothing is written.** A batch whose structure, shapes or
+      dtypes differ from what the buffer holds raises the buffer's own ValueError/TypeError;
+      through Ray it arrives as a ``ray.exceptions.RayTaskError`` that is also an instance of
+      the original error type, so ``except ValueError`` works on ``ray.get``.
+
+    Writers keep adding between the learner's ``sample`` and the matching ``update``, so a
+    sampled transition may have been evicted when its new priority arrives. The ``idx`` of a
+    :class:`~coax_utils.replay.PrioritizedReplayBuffer` are transition ids, not slots, and
+    its ``update`` ignores ids that were overwritten, so late priorities never land on
+    newer transitions.
+
+    Parameters
+    ----------
+    buffer : host replay buffer
+        The buffer to serve; it needs ``add(transition_batch[, Adv])``, ``sample(batch_size)``
+        and ``len(buffer)``, plus ``update(idx, Adv)`` for :meth:`update`.
+
+    Raises
+    ------
+    TypeError
+        If ``buffer`` lacks ``add``, ``sample`` or ``__len__`` (raised by
+        ``ReplayServer.remote`` in the calling process).
+
+    Examples
+    --------
+    .. code-block:: python
+
+        import ray
+        from coax_utils.distributed import ReplayServer
+        from coax_utils.replay import PrioritizedReplayBuffer
+
+        ray.init()
+        server = ReplayServer.remote(PrioritizedReplayBuffer(capacity=100_000))
+        server.add.remote(transition_batch)          # from any number of writers
+        batch = ray.get(server.sample.remote(32))    # in the learner
+        server.update.remote(batch.idx, td_error)
+    """
+
+    def __init__(self, buffer: Any) -> None:
+        _check_buffer(buffer)
+        # Ray hands over NumPy arrays as read-only views of its object store: own a copy.
+        self._buffer = copy.deepcopy(buffer)
+        self._lock = threading.Lock()
+        self._num_added = 0
+
+    @classmethod
+    def _validate_args(cls, buffer: Any) -> None:
+        _check_buffer(buffer)
+
+    def add(self, transition_batch: TransitionBatch, Adv: Any = None) -> int:
+        """Add a batch of transitions to the buffer.
+
+        Parameters
+        ----------
+        transition_batch : TransitionBatch
+            The transitions (leading batch axis on every field).
+        Adv : array, optional
+            Per-transition advantages or TD errors that set the initial priorities of a
+            prioritized buffer; None gives the buffer's default (its current maximum
+            priority).
+
+        Returns
+        -------
+        int
+            The number of transitions added (``transition_batch.batch_size``).
+
+        Raises
+        ------
+        TypeError
+            If ``transition_batch`` is not a :class:`~coax_utils.replay.TransitionBatch`, or
+            the buffer's TypeError.
+        ValueError
+            The buffer's ValueError (e.g. shapes or dtypes that differ from those it holds).
+            Nothing is written and nothing is counted.
+        """
+        if not isinstance(transition_batch, TransitionBatch):
+            raise TypeError(
+                "ReplayServer.add expects a coax_utils.replay.TransitionBatch, got "
+                f"{type(transition_batch).__name__}"
+            )
+        n = transition_batch.batch_size
+        with self._lock:
+            if Adv is None:
+                self._buffer.add(transition_batch)
+            else:
+                self._buffer.add(transition_batch, Adv)
+            self._num_added += n
+        return n
+
+    def sample(self, batch_size: int = 32) -> TransitionBatch:
+        """Sample a batch from the buffer (with ``idx`` and, if prioritized, ``W``).
+
+        Parameters
+        ----------
+        batch_size : int
+            The number of transitions to sample.
+
+        Returns
+        -------
+        TransitionBatch
+            The sampled transitions; ``idx`` is what :meth:`update` takes.
+
+        Raises
+        ------
+        ValueError
+            The buffer's error, e.g. for a non-positive ``batch_size`` or an empty buffer.
+        """
+        with self._lock:
+            return self._buffer.sample(batch_size)
+
+    def update(self, idx: Any, Adv: Any) -> None:
+        """Update the priorities of sampled transitions (prioritized buffers).
+
+        Parameters
+        ----------
+        idx : array of int
+            The ``idx`` field of a batch returned by :meth:`sample`.
+        Adv : array
+            New advantages or TD errors, one per index.
+
+        Raises
+        ------
+        TypeError
+            If the buffer has no priorities (no ``update`` method).
+        ValueError
+            The buffer's error for bad indices or values; nothing is changed.
+        """
+        update = getattr(self._buffer, "update", None)
+        if not callable(update):
+            raise TypeError(
+                f"the served buffer ({type(self._buffer).__name__}) has no priorities to "
+                "update; serve a PrioritizedReplayBuffer to call update"
+            )
+        with self._lock:
+            update(idx, Adv)
+
+    def size(self) -> int:
+        """The number of transitions now held by the buffer (``len(buffer)``)."""
+        with self._lock:
+            return len(self._buffer)
+
+    def num_added(self) -> int:
+        """The number of transitions accepted by :meth:`add` since the server started.
+
+        Transitions stored beyond the buffer's capacity evicted the oldest ones, so
+        ``size() == min(num_added(), capacity)`` for a server that was never restored.
+        :meth:`restore` does not change this count.
+        """
+        with self._lock:
+            return self._num_added
+
+    def snapshot(self) -> Any:
+        """Return a copy of the served buffer (sent to the caller by Ray).
+
+        Useful to inspect the contents, or to checkpoint the buffer on the caller's machine
+        rather than on the server's (:meth:`save` writes on the server's node).
+        """
+        # A private copy: Ray serializes the return value after the lock is released.
+        with self._lock:
+            return copy.deepcopy(self._buffer)
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Checkpoint the buffer to ``path`` on the server's node with :func:`utils.dump`.
+
+        The write is atomic: a failed or interrupted save leaves an earlier file at ``path``
+        intact. The file holds the buffer itself, so ``utils.load(path)`` gives the buffer
+        (with its RNG state) in any process.
+
+        Parameters
+        ----------
+        path : str or path-like
+            The file to write (its folder must exist).
+
+        Returns
+        -------
+        str
+            The absolute path written.
+        """
+        from coax_utils import utils
+
+        path = os.path.abspath(os.fspath(path))
+        with self._lock:
+            utils.dump(self._buffer, path)
+        return path
+
+    def restore(self, path: str | os.PathLike) -> int:
+        """Replace the served buffer by the one saved at ``path`` (see :meth:`save`).
+
+        Parameters
+        ----------
+        path : str or path-like
+            A file written by :meth:`save` (or ``utils.dump(buffer, path)``), read on the
+            server's node with :func:`utils.load`.
+
+        Returns
+        -------
+        int
+            The size of the restored buffer.
+
+        Raises
+        ------
+        ValueError
+            If the file is truncated or corrupted (from :func:`utils.load`); the served
+            buffer is unchanged.
+        TypeError
+            If the file does not hold a replay buffer; the served buffer is unchanged.
+        """
+        from coax_utils import utils
+
+        buffer = utils.load(os.fspath(path))
+        try:
+            _check_buffer(buffer)
+        except TypeError as exc:
+            raise TypeError(f"{os.fspath(path)!r} does not hold a replay buffer: {exc}") from None
+        with self._lock:
+            self._buffer = buffer
+            return len(buffer)

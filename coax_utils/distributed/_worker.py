@@ -1,0 +1,368 @@
+"""The :class:`RolloutWorker` actor: gymnasium rollouts into a :class:`ReplayServer`."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import ray
+
+from coax_utils.distributed._actor import RemoteClass
+from coax_utils.replay import NStep, TransitionBatch
+
+__all__ = ["RolloutWorker"]
+
+_RETURNS_KEPT = 100
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_args(
+    env_fn: Any,
+    policy: Any,
+    server: Any,
+    params: Any,
+    *,
+    n: int = 1,
+    gamma: float = 0.99,
+    batch_size: int = 32,
+    priority_fn: Any = None,
+    sync_every: int = 100,
+    max_in_flight: int = 2,
+    seed: int | None = None,
+) -> None:
+    if not (callable(env_fn) or isinstance(env_fn, str)):
+        raise TypeError(
+            f"env_fn must be a callable returning a gymnasium.Env or an env id, got {env_fn!r}"
+        )
+    if not callable(policy):
+        raise TypeError(f"policy must be a callable policy(params, s, rng) -> a, got {policy!r}")
+    if priority_fn is not None and not callable(priority_fn):
+        raise TypeError(f"priority_fn must be None or a callable, got {priority_fn!r}")
+    if not isinstance(server, ray.actor.ActorHandle):
+        raise TypeError(f"server must be a ReplayServer actor handle, got {type(server).__name__}")
+    if params is None:
+        raise ValueError(
+            "params must be a ParameterServer actor handle or a parameter pytree, got None"
+        )
+    for name, value, low in (
+        ("n", n, 1),
+        ("batch_size", batch_size, 1),
+        ("sync_every", sync_every, 1),
+        ("max_in_flight", max_in_flight, 0),
+    ):
+        if not _is_int(value) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if not 0.0 <= float(gamma) <= 1.0:
+        raise ValueError(f"gamma must lie in [0, 1], got {gamma!r}")
+    if seed is not None and not _is_int(seed):
+        raise TypeError(f"seed must be None or an int, got {seed!r}")
+
+
+class RolloutWorker(RemoteClass):
+    r"""A Ray actor that runs a gymnasium env and feeds n-step transitions to a server.
+
+    Start it with ``RolloutWorker.remote(env_fn, policy, server, params, ...)``. The worker
+    steps its env with ``policy(params, s, rng)``, traces n-step transitions with
+    :class:`coax_utils.replay.NStep`, and pushes them in batches of ``batch_size`` to a
+    :class:`ReplayServer` (``server.add``). Initial priorities come from
+    ``priority_fn(params, transition_batch)`` (e.g. :math:`|\delta|`, the absolute TD error
+    under the current parameters); without it, new transitions get the buffer's current
+    maximum priority.
+
+    Parameters come from a :class:`ParameterServer`: the worker pulls the latest version
+    before its first step and then every ``sync_every`` steps (only changed parameters are
+    sent). A plain pytree (or a Ray object ref to one) instead fixes the parameters.
+
+    Two ways to run:
+
+    - ``run(num_steps)``: take exactly ``num_steps`` env steps, push every finished batch
+      and return the statistics (blocking; good for tests and synchronous schedules);
+    - ``start()`` / ``stop()``: step in a background thread of the actor until ``stop()``,
+      which pushes what is pending, waits for the server's acknowledgements and returns the
+      statistics. ``ray.kill(worker)`` ends the actor process at any time; the server keeps
+      every batch that reached it.
+
+    At most ``max_in_flight`` pushes are unacknowledged at any time; an error raised by the
+    server (e.g. a rejected batch) stops the worker and is raised by ``run``, ``stop`` and
+    ``stats``.
+
+    Parameters
+    ----------
+    env_fn : callable or str
+        ``env_fn()`` returns a :class:`gymnasium.Env`; a string is a gymnasium env id.
+    policy : callable
+        ``policy(params, s, rng) -> a`` with ``rng`` a :class:`numpy.random.Generator`.
+    server : ray.actor.ActorHandle
+        A :class:`ReplayServer` handle.
+    params : ray.actor.ActorHandle or pytree
+        A :class:`ParameterServer` handle, or fixed parameters.
+    n : int
+        Number of steps of the n-step returns.
+    gamma : float
+        Discount factor in [0, 1].
+    batch_size : int
+        Transitions per push to the server.
+    priority_fn : callable, optional
+        ``priority_fn(params, transition_batch) -> Adv`` (one value per transition).
+    sync_every : int
+        Env steps between parameter pulls.
+    max_in_flight : int
+        Pushes that may await the server's acknowledgement (0: every push waits).
+    seed : int, optional
+        Seeds the env's first reset, its action space and ``rng``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For bad arguments (raised by ``RolloutWorker.remote`` in the calling process).
+    """
+
+    def __init__(
+        self,
+        env_fn: Callable[[], Any] | str,
+        policy: Callable[[Any, Any, np.random.Generator], Any],
+        server: Any,
+        params: Any,
+        *,
+        n: int = 1,
+        gamma: float = 0.99,
+        batch_size: int = 32,
+        priority_fn: Callable[[Any, TransitionBatch], Any] | None = None,
+        sync_every: int = 100,
+        max_in_flight: int = 2,
+        seed: int | None = None,
+    ) -> None:
+        _check_args(
+            env_fn,
+            policy,
+            server,
+            params,
+            n=n,
+            gamma=gamma,
+            batch_size=batch_size,
+            priority_fn=priority_fn,
+            sync_every=sync_every,
+            max_in_flight=max_in_flight,
+            seed=seed,
+        )
+        import gymnasium
+
+        self._env = gymnasium.make(env_fn) if isinstance(env_fn, str) else env_fn()
+        self._policy = policy
+        self._priority_fn = priority_fn
+        self._server = server
+        if isinstance(params, ray.actor.ActorHandle):
+            self._param_server, self._params, self._version = params, None, 0
+        else:
+            self._param_server, self._params, self._version = None, params, 0
+        self._tracer = NStep(n=n, gamma=gamma)
+        self._batch_size = batch_size
+        self._sync_every = sync_every
+        self._max_in_flight = max_in_flight
+        self._seed = seed
+        self._rng = np.random.default_rng(seed)
+        if seed is not None:
+            self._env.action_space.seed(seed)
+
+        self._obs: Any = None
+        self._episode_return = 0.0
+        self._pending: list[TransitionBatch] = []
+        self._in_flight: collections.deque = collections.deque()
+        self._steps = 0
+        self._episodes = 0
+        self._sent = 0
+        self._added = 0
+        self._returns: collections.deque = collections.deque(maxlen=_RETURNS_KEPT)
+        self._returns_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop_event = threading.Event()
+        self._error: BaseException | None = None
+
+    @classmethod
+    def _validate_args(cls, *args: Any, **kwargs: Any) -> None:
+        _check_args(*args, **kwargs)
+
+    # -- the rollout loop ------------------------------------------------------------------
+
+    def _sync_params(self) -> None:
+        if self._param_server is None:
+            return
+        if self._version == 0:
+            version, params = ray.get(self._param_server.get.remote())
+            if params is None:
+                raise ValueError(
+                    "the ParameterServer holds no parameters yet; publish them with "
+                    "set.remote(params) before the workers run"
+                )
+            self._version, self._params = version, params
+        elif self._steps % self._sync_every == 0:
+            newer = ray.get(self._param_server.get_if_newer.remote(self._version))
+            if newer is not None:
+                self._version, self._params = newer
+
+    def _step(self) -> None:
+        self._sync_params()
+        if self._obs is None:
+            self._obs, _ = self._env.reset(seed=self._seed if self._episodes == 0 else None)
+            self._episode_return = 0.0
+        a = self._policy(self._params, self._obs, self._rng)
+        s_next, r, terminated, truncated, _ = self._env.step(a)
+        self._steps += 1
+        self._episode_return += float(r)
+        self._tracer.add(self._obs, a, r, terminated, truncated=truncated, s_next=s_next)
+        while self._tracer:
+            self._pending.append(self._tracer.pop())
+        if terminated or truncated:
+            self._episodes += 1
+            with self._returns_lock:
+                self._returns.append(self._episode_return)
+            self._obs = None
+        else:
+            self._obs = s_next
+        while len(self._pending) >= self._batch_size:
+            batch = TransitionBatch.concatenate(*self._pending[: self._batch_size])
+            del self._pending[: self._batch_size]
+            self._push(batch)
+
+    def _push(self, batch: TransitionBatch) -> None:
+        Adv = None
+        if self._priority_fn is not None:
+            Adv = np.asarray(self._priority_fn(self._params, batch))
+        self._in_flight.append((self._server.add.remote(batch, Adv), batch.batch_size))
+        self._sent += batch.batch_size
+        while len(self._in_flight) > self._max_in_flight:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        ref, count = self._in_flight[0]
+        ray.get(ref)
+        self._in_flight.popleft()
+        self._added += count
+
+    def _drain(self) -> None:
+        if self._pending:
+            batch = TransitionBatch.concatenate(*self._pending)
+            self._pending.clear()
+            self._push(batch)
+        while self._in_flight:
+            self._wait_oldest()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop_event.is_set():
+                self._step()
+        except BaseException as exc:  # reported by stop() and stats()
+            self._error = exc
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # -- public methods (actor methods) ----------------------------------------------------
+
+    def run(self, num_steps: int) -> dict[str, Any]:
+        """Take ``num_steps`` env steps, push every finished batch, wait for the server.
+
+        Transitions of unfinished n-step traces stay in the tracer; a partial batch stays
+        pending until the next call or :meth:`stop`.
+
+        Parameters
+        ----------
+        num_steps : int
+            The number of env steps (>= 0).
+
+        Returns
+        -------
+        dict
+            The statistics (see :meth:`stats`).
+
+        Raises
+        ------
+        ValueError
+            If ``num_steps`` is negative or not an int.
+        RuntimeError
+            If the worker is running in the background (after :meth:`start`).
+        """
+        if not _is_int(num_steps) or num_steps < 0:
+            raise ValueError(f"num_steps must be an int >= 0, got {num_steps!r}")
+        if self._thread is not None:
+            raise RuntimeError("the worker is running in the background; call stop() first")
+        for _ in range(num_steps):
+            self._step()
+        while self._in_flight:
+            self._wait_oldest()
+        return self._stats()
+
+    def start(self) -> None:
+        """Start stepping in a background thread of the actor (until :meth:`stop`).
+
+        Raises
+        ------
+        RuntimeError
+            If the worker is already running.
+        """
+        if self._thread is not None:
+            raise RuntimeError("the worker is already running")
+        self._raise_error()
+        self._stop_event.clear()
+        self._thread = threading.Thread(target=self._loop, name="rollout", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict[str, Any]:
+        """Stop the background loop, push what is pending, wait for the server.
+
+        Returns
+        -------
+        dict
+            The final statistics (see :meth:`stats`).
+
+        Raises
+        ------
+        Exception
+            The error that ended the background loop, if any (e.g. the server rejected a
+            batch).
+        """
+        if self._thread is not None:
+            self._stop_event.set()
+            self._thread.join()
+            self._thread = None
+        self._raise_error()
+        self._drain()
+        return self._stats()
+
+    def stats(self) -> dict[str, Any]:
+        """Statistics so far.
+
+        Returns
+        -------
+        dict
+            ``steps`` (env steps), ``episodes`` (finished episodes), ``transitions_sent``
+            (pushed to the server), ``transitions_added`` (acknowledged by the server),
+            ``params_version`` (version of the parameters in use; 0 for fixed parameters)
+            and ``episode_returns`` (the last 100 undiscounted episode returns).
+
+        Raises
+        ------
+        Exception
+            The error that ended the background loop, if any.
+        """
+        self._raise_error()
+        return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
+        with self._returns_lock:
+            returns = list(self._returns)
+        return {
+            "steps": self._steps,
+            "episodes": self._episodes,
+            "transitions_sent": self._sent,
+            "transitions_added": self._added,
+            "params_version": self._version,
+            "episode_returns": returns,
+        }
