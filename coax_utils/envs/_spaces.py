@@ -140,8 +140,10 @@ class Box(Space):
             x = jax.random.randint(key, self.shape, low, high, dtype=wide)
             return jnp.clip(x, low, high - 1).astype(cdt)
         ftype = cdt if np.dtype(cdt).itemsize >= 4 else np.dtype(np.float32)
-        below = np.isfinite(self.low)
-        above = np.isfinite(self.high)
+        # bounds beyond the range of the sampling dtype count as infinite
+        big = np.finfo(ftype).max
+        below = np.abs(self.low.astype(np.float64)) <= big
+        above = np.abs(self.high.astype(np.float64)) <= big
         low = np.where(below, self.low, 0).astype(ftype)
         high = np.where(above, self.high, 0).astype(ftype)
         k_u, k_e, k_n = jax.random.split(key, 3)
@@ -156,7 +158,13 @@ class Box(Space):
         x = jnp.clip(x, jnp.where(below, low, -jnp.inf), jnp.where(above, high, jnp.inf))
         x = x.astype(cdt)
         # rounding to a narrower dtype may step over a bound: clip again in the final dtype
-        return jnp.clip(x, jnp.asarray(self.low, cdt), jnp.asarray(self.high, cdt))
+        low_c, high_c = self._bounds(cdt)
+        return jnp.clip(x, low_c, high_c)
+
+    def _bounds(self, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """The bounds in ``dtype`` (values beyond its range become infinite)."""
+        with np.errstate(over="ignore"):
+            return self.low.astype(dtype), self.high.astype(dtype)
 
     def contains(self, x: Any) -> jax.Array:
         """Whether ``x`` has the box's shape, a castable dtype, and lies within the bounds.
@@ -173,7 +181,8 @@ class Box(Space):
         x = _as_array(x)
         if x is None or x.shape != self.shape or not np.can_cast(x.dtype, cdt):
             return _false()
-        return jnp.all((x >= jnp.asarray(self.low, cdt)) & (x <= jnp.asarray(self.high, cdt)))
+        low, high = self._bounds(cdt)
+        return jnp.all((x >= low) & (x <= high))
 
     def shape_dtype(self) -> jax.ShapeDtypeStruct:
         """The element shape and (JAX) dtype."""
@@ -607,9 +616,10 @@ def to_gymnasium_space(space: Any) -> gymnasium.Space:
         dtype = np.dtype(getattr(space, "dtype", np.int64))
         return s.Discrete(int(space.num_categories), dtype=dtype)
     if all(hasattr(space, a) for a in ("low", "high", "shape", "dtype")):
-        return s.Box(
-            np.asarray(space.low), np.asarray(space.high), tuple(space.shape), np.dtype(space.dtype)
-        )
+        dtype, shape = np.dtype(space.dtype), tuple(space.shape)
+        low = np.broadcast_to(np.asarray(space.low, dtype), shape)
+        high = np.broadcast_to(np.asarray(space.high, dtype), shape)
+        return s.Box(low, high, shape, dtype)
     sub = getattr(space, "spaces", None)
     if isinstance(sub, Mapping):
         return s.Dict([(k, to_gymnasium_space(sp)) for k, sp in sub.items()])

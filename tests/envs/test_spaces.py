@@ -1,0 +1,258 @@
+"""JAX spaces: jittable sample/contains, and exact conversion to and from gymnasium."""
+
+from collections import OrderedDict
+
+import chex
+import gymnasium
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coax_utils import envs
+from coax_utils.envs import to_gymnasium_space, to_jax_space
+
+gs = gymnasium.spaces
+
+
+def _assert_same_gym_space(a, b):
+    """Exact equality of two gymnasium spaces (gymnasium's __eq__ allows float round-off)."""
+    assert type(a) is type(b)
+    if isinstance(a, gs.Box):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(a.low, b.low)
+        np.testing.assert_array_equal(a.high, b.high)
+        assert a.low.dtype == b.low.dtype and a.high.dtype == b.high.dtype
+    elif isinstance(a, gs.Discrete):
+        assert (a.n, a.start, a.dtype) == (b.n, b.start, b.dtype)
+    elif isinstance(a, gs.MultiDiscrete):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a.nvec, b.nvec)
+        np.testing.assert_array_equal(a.start, b.start)
+    elif isinstance(a, gs.MultiBinary):
+        assert a.n == b.n and a.shape == b.shape
+    elif isinstance(a, gs.Tuple):
+        assert len(a.spaces) == len(b.spaces)
+        for x, y in zip(a.spaces, b.spaces):
+            _assert_same_gym_space(x, y)
+    elif isinstance(a, gs.Dict):
+        assert list(a.spaces) == list(b.spaces)  # same keys in the same order
+        for k in a.spaces:
+            _assert_same_gym_space(a.spaces[k], b.spaces[k])
+    else:  # pragma: no cover - the test only builds the kinds above
+        raise AssertionError(f"unexpected space {a!r}")
+
+
+SPACES = {
+    "box_bounded": gs.Box(low=-1.5, high=2.0, shape=(3,), dtype=np.float32),
+    "box_mixed": gs.Box(
+        low=np.array([-np.inf, 0.0, -1.0, -np.inf], np.float32),
+        high=np.array([np.inf, np.inf, 1.0 / 3.0, 7.0], np.float32),
+    ),
+    "box_float64": gs.Box(low=-1e300, high=1e300, shape=(2, 2), dtype=np.float64),
+    "box_float16": gs.Box(low=0.1, high=0.3, shape=(5,), dtype=np.float16),
+    "box_uint8_image": gs.Box(low=0, high=255, shape=(4, 5, 3), dtype=np.uint8),
+    "box_int64": gs.Box(low=np.array([-3, 0]), high=np.array([3, 10]), dtype=np.int64),
+    "discrete": gs.Discrete(5),
+    "discrete_start": gs.Discrete(3, start=-2, dtype=np.int32),
+    "multidiscrete": gs.MultiDiscrete([[2, 3], [4, 1]], start=[[0, 1], [-2, 5]]),
+    "multidiscrete_int32": gs.MultiDiscrete([7, 2], dtype=np.int32),
+    "multibinary": gs.MultiBinary(6),
+    "multibinary_2d": gs.MultiBinary([2, 3]),
+    "tuple": gs.Tuple([gs.Discrete(2), gs.Box(0.0, 1.0, (2,), np.float32)]),
+    "dict_unsorted": gs.Dict(
+        OrderedDict(
+            [
+                ("zeta", gs.Discrete(4)),
+                ("alpha", gs.Box(-1.0, 1.0, (1,), np.float32)),
+            ]
+        )
+    ),
+    "nested": gs.Dict(
+        {
+            "image": gs.Box(0, 255, (3, 3, 1), np.uint8),
+            "inner": gs.Tuple(
+                [gs.MultiBinary(3), gs.Dict({"b": gs.Discrete(2), "a": gs.MultiDiscrete([3])})]
+            ),
+        }
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPACES))
+def test_round_trip_is_exact(name):
+    space = SPACES[name]
+    jspace = to_jax_space(space)
+    assert isinstance(jspace, envs.Space)
+    back = to_gymnasium_space(jspace)
+    _assert_same_gym_space(back, space)
+    # and the other way round
+    assert to_jax_space(back) == jspace
+
+
+@pytest.mark.parametrize("name", sorted(SPACES))
+def test_samples_are_members_under_jit_and_vmap(name):
+    space = SPACES[name]
+    jspace = to_jax_space(space)
+
+    traces = []
+
+    @jax.jit
+    def sample_and_check(key):
+        traces.append(1)
+        x = jspace.sample(key)
+        return x, jspace.contains(x)
+
+    keys = jax.random.split(jax.random.key(0), 8)
+    for key in keys:
+        x, ok = sample_and_check(key)
+        assert bool(ok)
+        chex.assert_trees_all_equal_shapes_and_dtypes(x, jspace.shape_dtype())
+        host = jax.tree_util.tree_map(np.asarray, x)
+        if isinstance(space, gs.Tuple):
+            host = tuple(host)
+        assert space.contains(_to_gym_value(host, space)), (name, host)
+    assert len(traces) == 1  # a second call does not retrace
+
+    xs, oks = jax.vmap(sample_and_check)(keys)
+    assert bool(jnp.all(oks))
+
+
+def _to_gym_value(x, space):
+    """Cast a sample to the gymnasium dtype (JAX samples use 32-bit types without x64)."""
+    if isinstance(space, gs.Tuple):
+        return tuple(_to_gym_value(xi, s) for xi, s in zip(x, space.spaces))
+    if isinstance(space, gs.Dict):
+        return {k: _to_gym_value(x[k], s) for k, s in space.spaces.items()}
+    return np.asarray(x).astype(space.dtype)
+
+
+def test_box_sampling_follows_the_bounds():
+    space = to_jax_space(SPACES["box_mixed"])
+    xs = np.asarray(jax.vmap(space.sample)(jax.random.split(jax.random.key(1), 4000)))
+    # unbounded: standard normal; low only: low + exponential; both: uniform
+    assert abs(xs[:, 0].mean()) < 0.1 and 0.9 < xs[:, 0].std() < 1.1
+    assert xs[:, 1].min() >= 0.0 and 0.9 < xs[:, 1].mean() < 1.1
+    assert xs[:, 2].min() >= -1.0 and xs[:, 2].max() <= np.float32(1.0 / 3.0)
+    assert abs(xs[:, 2].mean() - (-1.0 + 1.0 / 3.0) / 2) < 0.05
+    assert xs[:, 3].max() <= 7.0 and 5.9 < xs[:, 3].mean() < 6.1
+    ints = np.asarray(
+        jax.vmap(to_jax_space(SPACES["box_int64"]).sample)(
+            jax.random.split(jax.random.key(2), 2000)
+        )
+    )
+    assert set(np.unique(ints[:, 0])) == set(range(-3, 4))  # both bounds are reachable
+    assert set(np.unique(ints[:, 1])) == set(range(0, 11))
+
+
+def test_discrete_sampling_covers_exactly_the_range():
+    space = to_jax_space(SPACES["discrete_start"])
+    xs = np.asarray(jax.vmap(space.sample)(jax.random.split(jax.random.key(3), 500)))
+    assert set(xs.tolist()) == {-2, -1, 0}
+    md = to_jax_space(SPACES["multidiscrete"])
+    ys = np.asarray(jax.vmap(md.sample)(jax.random.split(jax.random.key(4), 500)))
+    assert set(np.unique(ys[:, 1, 1]).tolist()) == {5}  # nvec 1 with start 5
+    assert set(np.unique(ys[:, 1, 0]).tolist()) == {-2, -1, 0, 1}
+
+
+@pytest.mark.parametrize(
+    "space, bad",
+    [
+        (envs.Box(0.0, 1.0, (2,)), np.array([0.5, 1.5], np.float32)),  # out of bounds
+        (envs.Box(0.0, 1.0, (2,)), np.array([0.5, np.nan], np.float32)),  # nan
+        (envs.Box(0.0, 1.0, (2,)), np.zeros(3, np.float32)),  # wrong shape
+        (envs.Box(0, 5, (2,), np.int32), np.array([1.0, 2.0], np.float32)),  # float in int box
+        (envs.Discrete(3, start=1), 0),
+        (envs.Discrete(3, start=1), 4),
+        (envs.Discrete(3), 1.0),  # not an integer
+        (envs.Discrete(3), np.array([1])),  # not a scalar
+        (envs.MultiDiscrete([2, 3]), np.array([1, 3])),
+        (envs.MultiBinary(3), np.array([0, 2, 1])),
+        (envs.Tuple([envs.Discrete(2)]), (0, 1)),  # wrong length
+        (envs.Dict({"a": envs.Discrete(2)}), {"b": 0}),  # wrong keys
+        (envs.Dict({"a": envs.Discrete(2)}), "a"),
+    ],
+)
+def test_contains_rejects(space, bad):
+    assert not bool(space.contains(bad))
+    assert bad not in space
+
+
+def test_contains_is_jittable_and_accepts_members():
+    space = envs.Dict({"x": envs.Box(-1.0, 1.0, (2,)), "n": envs.Discrete(3)})
+    check = jax.jit(space.contains)
+    assert bool(check({"x": jnp.array([0.0, 1.0]), "n": jnp.int32(2)}))
+    assert not bool(check({"x": jnp.array([0.0, 1.1]), "n": jnp.int32(2)}))
+    assert bool(envs.Box(0.0, 1.0, (2,)).contains([0.25, 1.0]))  # lists are cast like gymnasium
+
+
+@pytest.mark.parametrize(
+    "space",
+    [
+        gs.Text(5),
+        gs.Graph(node_space=gs.Box(0.0, 1.0, (2,)), edge_space=None),
+        gs.Sequence(gs.Discrete(2)),
+        gs.Tuple([gs.Discrete(2), gs.Text(3)]),
+    ],
+)
+def test_unsupported_spaces_raise_type_error_naming_the_space(space):
+    name = "Text" if isinstance(space, gs.Tuple) else type(space).__name__
+    with pytest.raises(TypeError, match=name):
+        to_jax_space(space)
+
+
+def test_to_gymnasium_space_rejects_unknown_objects():
+    with pytest.raises(TypeError, match="object"):
+        to_gymnasium_space(object())
+
+
+def test_gymnax_style_spaces_are_converted():
+    class GxDiscrete:
+        def __init__(self, n):
+            self.num_categories = n
+            self.dtype = jnp.int32
+
+    class GxBox:
+        def __init__(self, low, high, shape, dtype):
+            self.low, self.high, self.shape, self.dtype = low, high, shape, dtype
+
+    class GxDict:
+        def __init__(self, spaces):
+            self.spaces = spaces
+
+    space = to_gymnasium_space(
+        GxDict({"a": GxDiscrete(4), "b": GxBox(0.0, 2.0, (3,), jnp.float32)})
+    )
+    expected = gs.Dict(
+        [("a", gs.Discrete(4, dtype=np.int32)), ("b", gs.Box(0.0, 2.0, (3,), np.float32))]
+    )
+    _assert_same_gym_space(space, expected)
+
+
+def test_bad_construction_raises():
+    with pytest.raises(ValueError, match="low <= high"):
+        envs.Box(1.0, 0.0, (2,))
+    with pytest.raises(ValueError, match="positive"):
+        envs.Discrete(0)
+    with pytest.raises(ValueError, match="positive"):
+        envs.MultiDiscrete([2, 0])
+    with pytest.raises(TypeError, match="integer"):
+        envs.Discrete(3, dtype=np.float32)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    low=st.floats(-1e6, 1e6, width=32),
+    width=st.floats(0.0, 1e6, width=32),
+    shape=st.sampled_from([(), (2,), (2, 3)]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_box_samples_lie_in_the_gymnasium_box(low, width, shape, seed):
+    high = np.float32(low) + np.float32(width)
+    gym_box = gs.Box(low=np.float32(low), high=high, shape=tuple(shape), dtype=np.float32)
+    jbox = to_jax_space(gym_box)
+    x = np.asarray(jbox.sample(jax.random.key(seed)))
+    assert gym_box.contains(x)
+    assert bool(jbox.contains(x))
