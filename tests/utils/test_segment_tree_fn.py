@@ -1,0 +1,284 @@
+"""Tests of the functional sum tree against naive NumPy oracles and the host-side SumTree."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coax_utils import utils
+from coax_utils.utils import (
+    SumTree,
+    SumTreeState,
+    sum_tree_init,
+    sum_tree_inverse_cdf,
+    sum_tree_reduce,
+    sum_tree_sample,
+    sum_tree_set,
+    sum_tree_total,
+    sum_tree_values,
+)
+
+
+def oracle_inverse_cdf(values, u):
+    """Naive inverse CDF: first i with u * total < cumsum[i], restricted to positive slots."""
+    cs = np.cumsum(values)
+    i = np.searchsorted(cs, u * cs[-1], side="right")
+    return np.minimum(i, np.flatnonzero(values > 0)[-1])
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 100])
+def test_init_shapes_and_zero_values(capacity):
+    state = sum_tree_init(capacity)
+    assert isinstance(state, SumTreeState)
+    assert state.capacity == capacity
+    assert sum_tree_values(state).shape == (capacity,)
+    assert state.nodes.dtype == jnp.float32
+    assert float(sum_tree_total(state)) == 0.0
+    # capacity is static metadata, not a leaf
+    assert len(jax.tree_util.tree_leaves(state)) == 1
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_init_rejects_non_positive_capacity(bad):
+    with pytest.raises(ValueError, match="capacity"):
+        sum_tree_init(bad)
+
+
+def test_init_rejects_bad_types():
+    with pytest.raises(TypeError, match="capacity"):
+        sum_tree_init(3.0)
+    with pytest.raises(TypeError, match="dtype"):
+        sum_tree_init(3, jnp.int32)
+
+
+def test_exported_from_utils():
+    for name in ["SumTreeState", "sum_tree_init", "sum_tree_set", "sum_tree_sample"]:
+        assert name in utils.__all__
+
+
+# module-level jitted functions: hypothesis examples of the same capacity reuse the compilation
+_set = jax.jit(sum_tree_set)
+_reduce = jax.jit(sum_tree_reduce)
+_inverse_cdf = jax.jit(sum_tree_inverse_cdf)
+_K = 12  # fixed batch size; unused slots carry the ignored index -1
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    capacity=st.sampled_from([1, 2, 3, 5, 8, 13, 16, 33]),
+    data=st.data(),
+)
+def test_set_reduce_match_naive_oracle(capacity, data):
+    state = sum_tree_init(capacity)
+    ref = np.zeros(capacity, np.float32)
+    for _ in range(3):
+        k = data.draw(st.integers(1, _K))
+        idx = np.full(_K, -1)
+        idx[:k] = data.draw(st.lists(st.integers(0, capacity - 1), min_size=k, max_size=k))
+        vals = np.array(
+            data.draw(
+                st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.5, 7.0]), min_size=_K, max_size=_K)
+            ),
+            np.float32,
+        )
+        for i, v in zip(idx[:k], vals[:k]):  # last write wins
+            ref[i] = v
+        state = _set(state, jnp.asarray(idx), jnp.asarray(vals))
+        np.testing.assert_array_equal(np.asarray(sum_tree_values(state)), ref)
+        np.testing.assert_allclose(float(sum_tree_total(state)), ref.sum(), rtol=1e-6)
+    start = np.array(data.draw(st.lists(st.integers(0, capacity), min_size=5, max_size=5)))
+    stop = np.array(data.draw(st.lists(st.integers(0, capacity), min_size=5, max_size=5)))
+    start, stop = np.minimum(start, stop), np.maximum(start, stop)
+    got = np.asarray(_reduce(state, jnp.asarray(start), jnp.asarray(stop)))
+    expected = np.array([ref[a:b].sum() for a, b in zip(start, stop)])
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    if ref.sum() > 0:
+        u = np.linspace(0, 1, 33, dtype=np.float32)
+        got = np.asarray(_inverse_cdf(state, jnp.asarray(u)))
+        assert (ref[got] > 0).all()
+        np.testing.assert_array_equal(got, oracle_inverse_cdf(ref, u))
+
+
+def test_reduce_scalar_and_full_range_at_power_of_two():
+    state = sum_tree_set(sum_tree_init(8), jnp.arange(8), jnp.arange(1.0, 9.0))
+    assert float(sum_tree_reduce(state, 0, 8)) == 36.0
+    assert float(sum_tree_reduce(state, 7, 8)) == 8.0
+    assert float(sum_tree_reduce(state, 3, 3)) == 0.0
+    assert sum_tree_reduce(state, jnp.array([[0, 1]]), jnp.array([[8, 8]])).shape == (1, 2)
+
+
+def test_duplicate_indices_last_write_wins_under_jit():
+    state = sum_tree_init(10)
+    set_ = jax.jit(sum_tree_set)
+    idx = jnp.array([3, 3, 7, 3, 7, 1])
+    vals = jnp.array([1.0, 2.0, 5.0, 4.0, 6.0, 0.5])
+    state = set_(state, idx, vals)
+    expected = np.zeros(10, np.float32)
+    expected[[3, 7, 1]] = [4.0, 6.0, 0.5]
+    np.testing.assert_array_equal(np.asarray(sum_tree_values(state)), expected)
+    assert float(sum_tree_total(state)) == 10.5
+
+
+def test_out_of_range_indices_are_ignored():
+    state = sum_tree_set(sum_tree_init(5), jnp.array([-1, 2, 5, 9]), jnp.ones(4))
+    np.testing.assert_array_equal(np.asarray(sum_tree_values(state)), [0, 0, 1, 0, 0])
+    assert float(sum_tree_total(state)) == 1.0
+    assert float(state.nodes[0]) == 0.0
+
+
+@pytest.mark.parametrize("capacity", [4, 5, 8])
+def test_inverse_cdf_never_returns_zero_or_padded_slot(capacity):
+    values = np.zeros(capacity, np.float32)
+    values[1] = 0.3
+    values[capacity - 2] = 0.1  # last slot stays zero, and padded slots (capacity 5) too
+    state = sum_tree_set(sum_tree_init(capacity), jnp.arange(capacity), jnp.asarray(values))
+    u = jnp.array([0.0, 0.5, 0.74, 0.75, 0.9999999, 1.0])
+    idx = np.asarray(jax.jit(sum_tree_inverse_cdf)(state, u))
+    assert (values[idx] > 0).all()
+    assert idx[-1] == capacity - 2
+    assert idx[0] == 1
+    assert sum_tree_inverse_cdf(state, 1.0).dtype == jnp.int32
+
+
+def test_inverse_cdf_rounding_cannot_reach_trailing_zeros():
+    # float32 totals are inexact; a descent by plain comparisons would end on the zero slot
+    values = np.array([0.1, 0.2, 0.7, 1e-3, 0.0, 0.0, 0.0], np.float32)
+    state = sum_tree_set(sum_tree_init(7), jnp.arange(7), jnp.asarray(values))
+    u = jnp.asarray(np.linspace(0.99, 1.0, 1001, dtype=np.float32))
+    idx = np.asarray(sum_tree_inverse_cdf(state, u))
+    assert (values[idx] > 0).all()
+
+
+@pytest.mark.parametrize("stratified", [False, True])
+@pytest.mark.parametrize("n", [1, 1000])
+def test_sample_distribution_total_variation(n, stratified):
+    rng = np.random.default_rng(0)
+    capacity = 50
+    values = rng.random(capacity).astype(np.float32)
+    values[rng.random(capacity) < 0.2] = 0.0
+    state = sum_tree_set(sum_tree_init(capacity), jnp.arange(capacity), jnp.asarray(values))
+    draws = 200_000
+    sample = jax.jit(
+        jax.vmap(sum_tree_sample, in_axes=(None, 0, None, None)), static_argnums=(2, 3)
+    )
+    keys = jax.random.split(jax.random.key(1), draws // n)
+    idx = np.asarray(sample(state, keys, n, stratified)).reshape(-1)
+    assert idx.dtype == np.int32
+    freq = np.bincount(idx, minlength=capacity) / idx.size
+    p = values / values.sum()
+    assert 0.5 * np.abs(freq - p).sum() < 0.01
+    assert (values[idx] > 0).all()
+
+
+def test_stratified_sample_covers_strata():
+    values = jnp.ones(8)
+    state = sum_tree_set(sum_tree_init(8), jnp.arange(8), values)
+    idx = np.asarray(sum_tree_sample(state, jax.random.key(3), 8, stratified=True))
+    np.testing.assert_array_equal(idx, np.arange(8))
+
+
+def test_sample_rejects_bad_n():
+    state = sum_tree_init(3)
+    with pytest.raises(ValueError, match="n must be"):
+        sum_tree_sample(state, jax.random.key(0), 0)
+
+
+def test_jit_matches_eager_and_does_not_retrace():
+    rng = np.random.default_rng(2)
+    capacity = 37
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(state, key, new_values):
+        idx = sum_tree_sample(state, key, 16, stratified=True)
+        return sum_tree_set(state, idx, new_values), idx
+
+    state_jit = sum_tree_set(sum_tree_init(capacity), jnp.arange(capacity), jnp.ones(capacity))
+    state_eager = state_jit
+    key = jax.random.key(0)
+    for _ in range(3):
+        key, sub = jax.random.split(key)
+        new_values = jnp.asarray(rng.random(16) + 0.1, jnp.float32)
+        state_jit, idx_jit = step(state_jit, sub, new_values)
+        idx_eager = sum_tree_sample(state_eager, sub, 16, stratified=True)
+        state_eager = sum_tree_set(state_eager, idx_eager, new_values)
+        np.testing.assert_array_equal(np.asarray(idx_jit), np.asarray(idx_eager))
+        np.testing.assert_allclose(np.asarray(state_jit.nodes), np.asarray(state_eager.nodes))
+
+
+def test_donated_set_updates_in_place():
+    set_donated = jax.jit(sum_tree_set, donate_argnums=0)
+    state = sum_tree_init(1000)
+    for i in range(3):
+        state = set_donated(state, jnp.array([i, 999]), jnp.array([1.0, 2.0]))
+    assert float(sum_tree_total(state)) == 5.0
+
+
+def test_vmap_over_a_batch_of_states():
+    states = jax.vmap(lambda _: sum_tree_init(6))(jnp.arange(3))
+    assert states.nodes.shape == (3, 16)
+    idx = jnp.array([[0, 5], [1, 1], [2, 4]])
+    vals = jnp.array([[1.0, 3.0], [2.0, 4.0], [0.0, 5.0]])
+    states = jax.jit(jax.vmap(sum_tree_set))(states, idx, vals)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(sum_tree_total)(states)), [4.0, 4.0, 5.0])
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(sum_tree_reduce, in_axes=(0, None, None))(states, 1, 5)),
+        [0.0, 4.0, 5.0],
+    )
+    keys = jax.random.split(jax.random.key(0), 3)
+    samples = jax.vmap(lambda s, k: sum_tree_sample(s, k, 100))(states, keys)
+    assert set(np.asarray(samples[0]).tolist()) <= {0, 5}
+    assert set(np.asarray(samples[1]).tolist()) == {1}
+    assert set(np.asarray(samples[2]).tolist()) == {4}
+
+
+def test_float64_state_agrees_with_host_sum_tree():
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(5)
+        capacity = 300
+        host = SumTree(capacity)
+        state = sum_tree_init(capacity, jnp.float64)
+        set_ = jax.jit(sum_tree_set)
+        for _ in range(20):
+            idx = rng.integers(0, capacity, 64)
+            vals = rng.random(64)
+            host.set_values(idx, vals)
+            state = set_(state, jnp.asarray(idx), jnp.asarray(vals))
+        np.testing.assert_array_equal(np.asarray(sum_tree_values(state)), host.values)
+        np.testing.assert_allclose(float(sum_tree_total(state)), host.root_value, rtol=1e-12)
+        u = rng.random(500)
+        np.testing.assert_array_equal(
+            np.asarray(jax.jit(sum_tree_inverse_cdf)(state, jnp.asarray(u))), host.inverse_cdf(u)
+        )
+        start = rng.integers(0, capacity // 2, 20)
+        stop = start + rng.integers(1, capacity // 2, 20)
+        np.testing.assert_allclose(
+            np.asarray(jax.jit(sum_tree_reduce)(state, jnp.asarray(start), jnp.asarray(stop))),
+            host.partial_reduce(start, stop),
+            rtol=1e-12,
+        )
+
+
+def test_no_drift_after_many_updates():
+    # parents are recomputed from children, so the root tracks the leaves over many updates
+    capacity = 1 << 10
+    rng = np.random.default_rng(7)
+
+    @jax.jit
+    def many_updates(state, key):
+        def body(state, key):
+            k1, k2 = jax.random.split(key)
+            idx = sum_tree_sample(state, k1, 64)
+            vals = jax.random.uniform(k2, (64,)) * 1e3 + 1e-3
+            return sum_tree_set(state, idx, vals), None
+
+        return jax.lax.scan(body, state, jax.random.split(key, 500))[0]
+
+    values = jnp.asarray(rng.random(capacity) * 1e3, jnp.float32)
+    state = sum_tree_set(sum_tree_init(capacity), jnp.arange(capacity), values)
+    state = many_updates(state, jax.random.key(0))
+    leaves = np.asarray(sum_tree_values(state), np.float64)
+    np.testing.assert_allclose(float(sum_tree_total(state)), leaves.sum(), rtol=1e-6)
