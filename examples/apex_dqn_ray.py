@@ -1,0 +1,241 @@
+"""Ape-X style DQN on CartPole with Ray: one learner, N rollout workers, one replay server.
+
+The learner (this process) trains a Haiku Q-network with double-DQN n-step targets on
+batches sampled from a :class:`~coax_utils.distributed.ReplayServer` that wraps a
+prioritized replay buffer. Rollout workers (:class:`~coax_utils.distributed.RolloutWorker`
+actors) play with epsilon-greedy policies of different epsilons (as in Ape-X), pull the
+latest parameters from a :class:`~coax_utils.distributed.ParameterServer`, compute initial
+priorities (|TD error| under their parameters) and push n-step transitions to the server.
+The learner sends the new |TD errors| of every trained batch back as priorities.
+
+Run it on this machine (starts a local Ray cluster)::
+
+    python examples/apex_dqn_ray.py
+
+on a running multi-node cluster (same code; workers spread over the nodes, each node needs
+coax_utils installed)::
+
+    ray start --head                       # on the head node, then `ray start --address=...`
+    python examples/apex_dqn_ray.py --address auto --num-workers 16
+
+or as a quick check (what CI runs; well under a minute)::
+
+    python examples/apex_dqn_ray.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import gymnasium
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import ray
+
+from coax_utils.distributed import ParameterServer, ReplayServer, RolloutWorker
+from coax_utils.replay import PrioritizedReplayBuffer
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: local)")
+    parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local cluster")
+    parser.add_argument("--temp-dir", default=None, help="Ray temp dir of the local cluster")
+    parser.add_argument("--env", default="CartPole-v1")
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--learner-steps", type=int, default=6000)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=1000, help="transitions before training")
+    parser.add_argument("--capacity", type=int, default=50_000)
+    parser.add_argument("--n-step", type=int, default=3)
+    parser.add_argument("--gamma", type=float, default=0.99)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--publish-every", type=int, default=50, help="learner steps")
+    parser.add_argument("--log-every", type=int, default=500, help="learner steps")
+    parser.add_argument("--checkpoint", default=None, help="save the replay buffer here")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="a tiny run that checks the setup")
+    args = parser.parse_args()
+    if args.smoke:
+        args.learner_steps, args.warmup, args.batch_size = 200, 200, 32
+        args.log_every, args.capacity = 100, 5000
+    return args
+
+
+def make_q(num_actions: int) -> hk.Transformed:
+    def forward(S):
+        return hk.nets.MLP([64, 64, num_actions])(S)
+
+    return hk.without_apply_rng(hk.transform(forward))
+
+
+def make_policy(q: hk.Transformed, epsilon: float, num_actions: int):
+    """Epsilon-greedy policy(params, s, rng) for a worker (sent to it by Ray)."""
+    q_values = jax.jit(q.apply)
+
+    def policy(params, s, rng):
+        if rng.random() < epsilon:
+            return int(rng.integers(num_actions))
+        return int(np.argmax(q_values(params, s[None])[0]))
+
+    return policy
+
+
+def make_td_error(q: hk.Transformed):
+    """TD errors of n-step transitions (double DQN); ``In`` is the bootstrap factor."""
+
+    def td_error(params, target_params, S, A, Rn, In, S_next):
+        A_next = jnp.argmax(q.apply(params, S_next), axis=1)
+        q_next = jnp.take_along_axis(q.apply(target_params, S_next), A_next[:, None], axis=1)
+        target = jax.lax.stop_gradient(Rn + In * q_next[:, 0])
+        q_sa = jnp.take_along_axis(q.apply(params, S), A[:, None], axis=1)[:, 0]
+        return target - q_sa
+
+    return td_error
+
+
+def make_priority_fn(q: hk.Transformed):
+    """Initial priorities in a worker: |TD error| under the worker's current parameters."""
+    td_error = jax.jit(make_td_error(q))
+
+    def priority_fn(params, batch):
+        td = td_error(params, params, batch.S, batch.A, batch.Rn, batch.In, batch.S_next)
+        return np.abs(np.asarray(td))
+
+    return priority_fn
+
+
+def make_train_step(q: hk.Transformed, optimizer: optax.GradientTransformation):
+    td_error = make_td_error(q)
+
+    @jax.jit
+    def train_step(params, target_params, opt_state, S, A, Rn, In, S_next, W):
+        def loss_fn(p):
+            td = td_error(p, target_params, S, A, Rn, In, S_next)
+            return jnp.mean(W * optax.huber_loss(td)), td
+
+        (loss, td), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        target_params = optax.incremental_update(params, target_params, step_size=0.01)
+        return params, target_params, opt_state, loss, td
+
+    return train_step
+
+
+def init_ray(args: argparse.Namespace) -> None:
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        # a new local cluster, even if another one runs on this machine
+        ray.init(
+            address="local",
+            num_cpus=args.num_cpus,
+            include_dashboard=False,
+            _temp_dir=args.temp_dir,
+            log_to_driver=True,
+        )
+
+
+def main() -> None:
+    args = parse_args()
+    start = time.perf_counter()
+    init_ray(args)
+
+    env = gymnasium.make(args.env)
+    num_actions = int(env.action_space.n)
+    S_example = np.asarray(env.observation_space.sample(), np.float32)[None]
+    q = make_q(num_actions)
+    params = q.init(jax.random.PRNGKey(args.seed), S_example)
+    target_params = params
+    optimizer = optax.adam(args.lr)
+    opt_state = optimizer.init(params)
+    train_step = make_train_step(q, optimizer)
+
+    buffer = PrioritizedReplayBuffer(args.capacity, alpha=0.6, beta=0.4, random_seed=args.seed)
+    server = ReplayServer.remote(buffer)
+    store = ParameterServer.remote(jax.device_get(params))
+    priority_fn = make_priority_fn(q)
+    workers = []
+    for i in range(args.num_workers):
+        # Ape-X's epsilons: 0.4 ** (1 + 7 i / (N - 1)), from 0.4 down to 0.4**8
+        epsilon = 0.4 ** (1 + 7 * i / max(args.num_workers - 1, 1))
+        workers.append(
+            RolloutWorker.remote(
+                args.env,
+                make_policy(q, epsilon, num_actions),
+                server,
+                store,
+                n=args.n_step,
+                gamma=args.gamma,
+                batch_size=32,
+                priority_fn=priority_fn,
+                sync_every=100,
+                seed=args.seed + 1000 * (i + 1),
+            )
+        )
+    ray.get([w.start.remote() for w in workers])
+
+    while ray.get(server.size.remote()) < args.warmup:
+        ray.get([w.stats.remote() for w in workers])  # raises if a worker failed
+        time.sleep(0.1)
+    print(f"warm-up done: {ray.get(server.size.remote())} transitions", flush=True)
+
+    next_batch = server.sample.remote(args.batch_size)
+    update_ref = None
+    tic = time.perf_counter()
+    for step in range(1, args.learner_steps + 1):
+        batch = ray.get(next_batch)
+        next_batch = server.sample.remote(args.batch_size)  # prefetch while training
+        fields = (batch.S, batch.A, batch.Rn, batch.In, batch.S_next, batch.W)
+        params, target_params, opt_state, loss, td = train_step(
+            params, target_params, opt_state, *fields
+        )
+        if update_ref is not None:
+            ray.get(update_ref)  # one priority update in flight at a time
+        update_ref = server.update.remote(batch.idx, np.abs(np.asarray(td)))
+        if step % args.publish_every == 0:
+            store.set.remote(jax.device_get(params))
+        if step % args.log_every == 0 or step == args.learner_steps:
+            stats = ray.get([w.stats.remote() for w in workers])
+            returns = [r for s in stats for r in s["episode_returns"][-10:]]
+            print(
+                f"learner step {step:6d}  loss {float(loss):8.4f}  "
+                f"replay {ray.get(server.size.remote()):6d}  "
+                f"env steps {sum(s['steps'] for s in stats):7d}  "
+                f"return (last 10 per worker) {np.mean(returns) if returns else 0.0:6.1f}  "
+                f"{step / (time.perf_counter() - tic):6.0f} updates/s",
+                flush=True,
+            )
+    ray.get(update_ref)
+
+    final = ray.get([w.stop.remote() for w in workers])
+    num_added = ray.get(server.num_added.remote())
+    pushed = sum(s["transitions_added"] for s in final)
+    print(
+        f"done in {time.perf_counter() - start:.1f} s: {args.learner_steps} learner steps, "
+        f"{sum(s['steps'] for s in final)} env steps, {pushed} transitions pushed, "
+        f"{num_added} received by the replay server, "
+        f"{ray.get(store.version.remote())} parameter versions",
+        flush=True,
+    )
+    if args.checkpoint:
+        path = ray.get(server.save.remote(os.path.abspath(args.checkpoint)))
+        print(f"replay buffer saved to {path}", flush=True)
+    if args.smoke:
+        # every transition a worker pushed reached the server, and training ran
+        assert pushed == num_added > 0, (pushed, num_added)
+        assert np.isfinite(float(loss))
+        print("smoke run OK", flush=True)
+    for w in workers:
+        ray.kill(w)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""RolloutWorker on a real local Ray cluster with gymnasium's CartPole and a Haiku Q-network."""
+
+import time
+
+import gymnasium
+import haiku as hk
+import jax
+import numpy as np
+import pytest
+
+from coax_utils.distributed import ParameterServer, ReplayServer, RolloutWorker
+from coax_utils.replay import NStep, PrioritizedReplayBuffer, SimpleReplayBuffer, TransitionBatch
+
+ENV = "CartPole-v1"
+
+
+def _forward(S):
+    return hk.nets.MLP([8, 2])(S)
+
+
+Q = hk.without_apply_rng(hk.transform(_forward))
+
+
+def _params(seed=0):
+    return Q.init(jax.random.PRNGKey(seed), np.zeros((1, 4), np.float32))
+
+
+def _constant_action_params(action):
+    """Q-network parameters whose greedy action is always ``action``."""
+    params = jax.tree_util.tree_map(np.zeros_like, _params())
+    params["mlp/~/linear_1"]["b"] = np.eye(2, dtype=np.float32)[action]
+    return params
+
+
+def greedy(params, s, rng):
+    return int(np.argmax(Q.apply(params, np.asarray(s, np.float32)[None])[0]))
+
+
+def uniform(params, s, rng):
+    return int(rng.integers(2))
+
+
+def _local_rollout(policy, params, num_steps, n, gamma, seed):
+    """The oracle: the same rollout in this process, traced with NStep."""
+    env = gymnasium.make(ENV)
+    rng = np.random.default_rng(seed)
+    tracer, out, s = NStep(n=n, gamma=gamma), [], None
+    for t in range(num_steps):
+        if s is None:
+            s, _ = env.reset(seed=seed if t == 0 else None)
+        a = policy(params, s, rng)
+        s_next, r, terminated, truncated, _ = env.step(a)
+        tracer.add(s, a, r, terminated, truncated=truncated, s_next=s_next)
+        while tracer:
+            out.append(tracer.pop())
+        s = None if terminated or truncated else s_next
+    return TransitionBatch.concatenate(*out)
+
+
+def _stored(ray, server):
+    return TransitionBatch.concatenate(*ray.get(server.snapshot.remote()))
+
+
+def _wait_until(condition, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.05)
+
+
+def test_worker_matches_a_local_nstep_rollout(ray_cluster):
+    ray = ray_cluster
+    params = _params(seed=1)
+    server = ReplayServer.remote(SimpleReplayBuffer(capacity=1000))
+    store = ParameterServer.remote(params)
+    worker = RolloutWorker.remote(
+        ENV, greedy, server, store, n=3, gamma=0.9, batch_size=8, seed=3, max_in_flight=1
+    )
+    stats = ray.get(worker.run.remote(60))
+    assert stats["steps"] == 60 and stats["params_version"] == 1
+    assert stats["transitions_added"] == stats["transitions_sent"]
+    assert stats["transitions_added"] % 8 == 0  # only whole batches go out during run
+    assert ray.get(server.num_added.remote()) == stats["transitions_added"]
+
+    final = ray.get(worker.stop.remote())  # pushes the pending partial batch
+    expected = _local_rollout(greedy, params, 60, n=3, gamma=0.9, seed=3)
+    assert final["transitions_added"] == expected.batch_size == ray.get(server.size.remote())
+    assert final["episodes"] >= 1 and len(final["episode_returns"]) == final["episodes"]
+    stored = _stored(ray, server)
+    for field in ("S", "A", "Rn", "In", "S_next"):
+        np.testing.assert_allclose(getattr(stored, field), getattr(expected, field), rtol=1e-6)
+    ray.kill(worker)
+
+
+def test_worker_pulls_the_latest_parameters(ray_cluster):
+    ray = ray_cluster
+    server = ReplayServer.remote(SimpleReplayBuffer(capacity=1000))
+    store = ParameterServer.remote(_constant_action_params(0))
+    worker = RolloutWorker.remote(ENV, greedy, server, store, batch_size=1, sync_every=5)
+    fixed = RolloutWorker.remote(ENV, greedy, server, _constant_action_params(1), batch_size=1)
+
+    ray.get(worker.run.remote(20))
+    assert ray.get(store.set.remote(_constant_action_params(1))) == 2
+    stats = ray.get(worker.run.remote(20))
+    assert stats["params_version"] == 2
+    actions = _stored(ray, server).A.tolist()
+    # n=1: one transition per step, in order (the last step of an unfinished episode waits
+    # for its successor); the new parameters act from step 21 on
+    assert len(actions) in (39, 40)
+    assert actions[:20] == [0] * 20 and set(actions[20:]) == {1}
+
+    fixed_stats = ray.get(fixed.run.remote(10))
+    assert fixed_stats["params_version"] == 0
+    assert set(_stored(ray, server).A.tolist()[len(actions) :]) == {1}
+    for w in (worker, fixed):
+        ray.kill(w)
+
+
+def favour_action_1(params, batch):
+    return (np.asarray(batch.A) == 1).astype(np.float32)
+
+
+def wrong_length(params, batch):
+    return np.ones(batch.batch_size + 1)
+
+
+def test_initial_priorities_come_from_priority_fn(ray_cluster):
+    ray = ray_cluster
+    buffer = PrioritizedReplayBuffer(capacity=1000, alpha=1.0, epsilon=1e-9, random_seed=0)
+    server = ReplayServer.remote(buffer)
+    worker = RolloutWorker.remote(
+        ENV, uniform, server, 0, n=2, batch_size=16, priority_fn=favour_action_1, seed=0
+    )
+    ray.get(worker.run.remote(100))
+    stored = _stored(ray, server)
+    assert 0 < np.mean(stored.A == 1) < 1  # the uniform policy took both actions
+    sample = ray.get(server.sample.remote(256))
+    assert np.all(sample.A == 1)  # zero-priority transitions are (almost surely) never drawn
+
+    bad = RolloutWorker.remote(ENV, uniform, server, 0, batch_size=4, priority_fn=wrong_length)
+    with pytest.raises(ValueError, match="Adv must have shape"):
+        ray.get(bad.run.remote(50))
+    for w in (worker, bad):
+        ray.kill(w)
+
+
+def test_a_killed_worker_does_not_disturb_the_server_or_the_others(ray_cluster):
+    ray = ray_cluster
+    batch_size = 8
+    server = ReplayServer.remote(SimpleReplayBuffer(capacity=100_000))
+    victim, survivor = (
+        RolloutWorker.remote(ENV, uniform, server, 0, n=3, batch_size=batch_size, seed=s)
+        for s in (1, 2)
+    )
+    ray.get([victim.start.remote(), survivor.start.remote()])
+
+    def added(worker):
+        return ray.get(worker.stats.remote())["transitions_added"]
+
+    _wait_until(lambda: added(victim) >= 4 * batch_size and added(survivor) >= batch_size)
+    last_seen = added(victim)
+    ray.kill(victim)  # mid-run, with pushes possibly in flight
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(victim.stats.remote())
+
+    before = added(survivor)
+    _wait_until(lambda: added(survivor) >= before + 4 * batch_size)
+    final = ray.get(survivor.stop.remote())
+    assert final["transitions_added"] == final["transitions_sent"]
+
+    total = ray.get(server.num_added.remote())
+    assert ray.get(server.size.remote()) == total
+    from_victim = total - final["transitions_added"]
+    # everything the victim had pushed is there, in whole batches (a call lands whole or not)
+    assert from_victim >= last_seen
+    assert from_victim % batch_size == 0
+    stored = _stored(ray, server)
+    assert stored.batch_size == total
+    assert set(np.unique(stored.In).tolist()) <= {0.0, np.float32(0.99**3)}
+    assert ray.get(server.sample.remote(32)).batch_size == 32
+    ray.kill(survivor)
+
+
+def broken_policy(params, s, rng):
+    raise RuntimeError("policy failed on purpose")
+
+
+def test_worker_errors(ray_cluster):
+    ray = ray_cluster
+    server = ReplayServer.remote(SimpleReplayBuffer(capacity=100))
+    with pytest.raises(TypeError, match="env_fn"):
+        RolloutWorker.remote(123, greedy, server, 0)
+    with pytest.raises(TypeError, match="policy"):
+        RolloutWorker.remote(ENV, "greedy", server, 0)
+    with pytest.raises(TypeError, match="server"):
+        RolloutWorker.remote(ENV, greedy, SimpleReplayBuffer(capacity=100), 0)
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
+        RolloutWorker.remote(ENV, greedy, server, 0, n=0)
+    with pytest.raises(ValueError, match="gamma"):
+        RolloutWorker.remote(ENV, greedy, server, 0, gamma=1.5)
+    with pytest.raises(ValueError, match="params"):
+        RolloutWorker.remote(ENV, greedy, server, None)
+
+    empty_store = ParameterServer.remote()
+    assert ray.get(empty_store.get.remote()) == (0, None)
+    waiting = RolloutWorker.remote(ENV, greedy, server, empty_store)
+    with pytest.raises(ValueError, match="no parameters yet"):
+        ray.get(waiting.run.remote(1))
+
+    broken = RolloutWorker.remote(ENV, broken_policy, server, 0)
+    ray.get(broken.start.remote())
+    with pytest.raises(RuntimeError, match="on purpose"):
+        ray.get(broken.stop.remote())
+    assert ray.get(server.size.remote()) == 0
+    for w in (waiting, broken):
+        ray.kill(w)
