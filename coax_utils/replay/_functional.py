@@ -286,7 +286,9 @@ def make_uniform_buffer(capacity: int) -> UniformBuffer:
     >>> buffer = make_uniform_buffer(capacity=4)
     >>> state = buffer.init({"obs": jnp.zeros(2), "t": jnp.int32(0)})
     >>> add = jax.jit(buffer.add, donate_argnums=0)
-    >>> state = add(state, {"obs": jnp.ones((6, 2)), "t": jnp.arange(6, dtype=jnp.int32)})
+    >>> for start in (0, 3):  # 6 items in two batches of 3; the first two get overwritten
+    ...     t = jnp.arange(start, start + 3, dtype=jnp.int32)
+    ...     state = add(state, {"obs": jnp.ones((3, 2)), "t": t})
     >>> int(state.size), sorted(state.items["t"].tolist())
     (4, [2, 3, 4, 5])
     >>> batch = jax.jit(buffer.sample, static_argnums=2)(state, jax.random.key(0), 8)

@@ -1,0 +1,178 @@
+"""Jittable buffers: ring semantics, sampling laws, jit/vmap/donation and no retracing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coax_utils.replay import make_prioritized_buffer, make_uniform_buffer
+
+
+def items(ts, dim=2):
+    ts = jnp.asarray(ts, jnp.int32)
+    return {"obs": jnp.repeat(ts[:, None].astype(jnp.float32), dim, axis=1), "t": ts}
+
+
+EXAMPLE = {"obs": jnp.zeros(2), "t": jnp.int32(0)}
+
+
+@pytest.mark.parametrize("make", [make_uniform_buffer, make_prioritized_buffer])
+def test_ring_overwrite_and_only_filled_slots_sampled(make):
+    buffer = make(7)
+    add = jax.jit(buffer.add, donate_argnums=0)
+    sample = jax.jit(buffer.sample, static_argnums=2)
+    state = buffer.init(EXAMPLE)
+    assert not bool(buffer.can_sample(state, 1))
+    state = add(state, items([0, 1, 2]))
+    assert bool(buffer.can_sample(state, 3)) and not bool(buffer.can_sample(state, 4))
+    out = sample(state, jax.random.key(0), 200)
+    t = out["t"] if make is make_uniform_buffer else out.items["t"]
+    assert set(np.asarray(t).tolist()) == {0, 1, 2}
+    np.testing.assert_array_equal(
+        np.asarray(t, np.float32),
+        np.asarray(out["obs"] if isinstance(out, dict) else out.items["obs"])[:, 0],
+    )
+    for start in range(3, 12, 3):
+        state = add(state, items(range(start, start + 3)))
+    assert int(state.size) == 7 and int(state.pos) == 12 % 7
+    assert sorted(np.asarray(state.items["t"]).tolist()) == list(range(5, 12))
+
+
+def test_uniform_sampling_law_and_key_determinism():
+    buffer = make_uniform_buffer(13)
+    state = buffer.add(buffer.init(EXAMPLE), items(range(13)))
+    sample = jax.jit(buffer.sample, static_argnums=2)
+    a = sample(state, jax.random.key(1), 64)["t"]
+    b = sample(state, jax.random.key(1), 64)["t"]
+    c = sample(state, jax.random.key(2), 64)["t"]
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    keys = jax.random.split(jax.random.key(0), 100)
+    t = jax.vmap(lambda k: sample(state, k, 130)["t"])(keys)
+    counts = np.bincount(np.asarray(t).ravel(), minlength=13)
+    n, p = 13000, 1 / 13
+    np.testing.assert_array_less(np.abs(counts - n * p), 5 * np.sqrt(n * p * (1 - p)))
+    # raw uint32 keys work too
+    raw = sample(state, jax.random.PRNGKey(3), 8)["t"]
+    assert raw.shape == (8,)
+
+
+def test_no_retrace_on_second_call():
+    traces = {"add": 0, "sample": 0, "update": 0}
+    buffer = make_prioritized_buffer(32)
+
+    def counted(name, fn):
+        def wrapper(*args):
+            traces[name] += 1
+            return fn(*args)
+
+        return wrapper
+
+    add = jax.jit(counted("add", buffer.add), donate_argnums=0)
+    sample = jax.jit(counted("sample", buffer.sample), static_argnums=2)
+    update = jax.jit(counted("update", buffer.update), donate_argnums=0)
+    state = buffer.init(EXAMPLE)
+    for step in range(3):
+        state = add(state, items([step, step + 1]))
+        out = sample(state, jax.random.key(step), 4)
+        state = update(state, out.indices, jnp.arange(4, dtype=jnp.float32))
+    assert traces == {"add": 1, "sample": 1, "update": 1}
+
+
+def test_vmap_over_many_buffers():
+    buffer = make_uniform_buffer(5)
+    states = jax.jit(jax.vmap(lambda _: buffer.init(EXAMPLE)))(jnp.arange(3))
+    batch = jax.jit(jax.vmap(lambda k: items(jnp.arange(4) + 10 * k)))(jnp.arange(3))
+    states = jax.jit(jax.vmap(buffer.add))(states, batch)
+    keys = jax.random.split(jax.random.key(0), 3)
+    out = jax.jit(jax.vmap(buffer.sample, in_axes=(0, 0, None)), static_argnums=2)(states, keys, 16)
+    t = np.asarray(out["t"])
+    for k in range(3):
+        assert set(t[k].tolist()) <= set(range(10 * k, 10 * k + 4))
+
+    pbuffer = make_prioritized_buffer(6, alpha=1.0)
+
+    @jax.jit
+    def run(keys):
+        pstates = jax.vmap(lambda _: pbuffer.init(EXAMPLE))(jnp.arange(2))
+        batch = jax.vmap(lambda k: items(jnp.arange(3)))(jnp.arange(2))
+        pstates = jax.vmap(pbuffer.add)(pstates, batch)
+        # buffer 0 favours slot 0, buffer 1 slot 2
+        prios = jnp.array([[9.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
+        pstates = jax.vmap(pbuffer.update, in_axes=(0, None, 0))(pstates, jnp.arange(3), prios)
+        return jax.vmap(pbuffer.sample, in_axes=(0, 0, None))(pstates, keys, 32)
+
+    out = run(keys[:2])
+    assert set(np.asarray(out.indices[0]).tolist()) == {0}
+    assert set(np.asarray(out.indices[1]).tolist()) == {2}
+
+
+def test_trace_time_validation():
+    buffer = make_uniform_buffer(4)
+    state = buffer.init(EXAMPLE)
+    with pytest.raises(ValueError, match="per-item shape"):
+        buffer.add(state, items([0], dim=3))
+    with pytest.raises(ValueError, match="dtype"):
+        buffer.add(state, {"obs": jnp.zeros((1, 2), jnp.int32), "t": jnp.zeros(1, jnp.int32)})
+    with pytest.raises(ValueError, match="structure"):
+        buffer.add(state, {"obs": jnp.zeros((1, 2))})
+    with pytest.raises(ValueError, match="capacity"):
+        buffer.add(state, items(range(5)))
+    with pytest.raises(ValueError):
+        buffer.sample(state, jax.random.key(0), 0)
+    for bad in (0, -1, 2**31):
+        with pytest.raises(ValueError):
+            make_uniform_buffer(bad)
+    with pytest.raises(ValueError):
+        make_prioritized_buffer(4, alpha=-0.1)
+    with pytest.raises(ValueError):
+        make_prioritized_buffer(4, epsilon=0.0)
+
+
+def test_prioritized_frequencies_weights_and_update_rules():
+    alpha, beta, eps = 0.8, 0.5, 1e-3
+    buffer = make_prioritized_buffer(16, alpha=alpha, beta=beta, epsilon=eps)
+    add, update = jax.jit(buffer.add), jax.jit(buffer.update)
+    state = add(buffer.init(EXAMPLE), items(range(5)))
+    delta = jnp.array([0.5, -2.0, 1.0, 0.0, 3.0])
+    state = update(state, jnp.arange(5), delta)
+    p = (np.abs(np.asarray(delta)) + eps) ** alpha
+    P = p / p.sum()
+    sample = jax.jit(buffer.sample, static_argnums=2)
+    keys = jax.random.split(jax.random.key(0), 40)
+    out = jax.jit(jax.vmap(lambda k: sample(state, k, 500)))(keys)
+    idx = np.asarray(out.indices)
+    assert idx.max() < 5  # empty slots are never sampled
+    counts = np.bincount(idx.ravel(), minlength=5)
+    n = idx.size
+    np.testing.assert_array_less(np.abs(counts - n * P), 5 * np.sqrt(n * P * (1 - P)) + 1)
+    w = (5 * P[idx]) ** -beta
+    np.testing.assert_allclose(out.weights, w / w.max(axis=1, keepdims=True), rtol=1e-4)
+    np.testing.assert_array_equal(np.asarray(out.items["t"]), idx)
+    # beta may be overridden (and traced)
+    out0 = sample(state, keys[0], 500, 0.0)
+    np.testing.assert_allclose(out0.weights, 1.0)
+
+    # new items get the max priority set so far; NaN and empty-slot updates are ignored
+    state2 = jax.jit(buffer.add)(state, items([5]))
+    np.testing.assert_allclose(state2.tree.nodes[16 + 5], p.max(), rtol=1e-5)
+    state3 = update(state2, jnp.array([0, 9, 2, 3, 4]), jnp.array([jnp.nan, 7.0, 1, 0, 3]))
+    np.testing.assert_array_equal(state3.tree.nodes, state2.tree.nodes)
+    # duplicates: the last write wins
+    state4 = update(state2, jnp.array([1, 1, 2, 3, 4]), jnp.array([9.0, 0.0, 1, 0, 3]))
+    np.testing.assert_allclose(state4.tree.nodes[16 + 1], eps**alpha, rtol=1e-4)
+
+
+def test_prioritized_alpha_zero_is_uniform():
+    buffer = make_prioritized_buffer(4, alpha=0.0)
+
+    @jax.jit
+    def run(key):
+        state = buffer.add(buffer.init(EXAMPLE), items(range(4)))
+        state = buffer.update(state, jnp.arange(4), jnp.array([0.0, 1.0, 10.0, 100.0]))
+        return buffer.sample(state, key, 8000)
+
+    out = run(jax.random.key(3))
+    counts = np.bincount(np.asarray(out.indices), minlength=4)
+    np.testing.assert_array_less(np.abs(counts - 2000), 200)
+    np.testing.assert_allclose(out.weights, 1.0)

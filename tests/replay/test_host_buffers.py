@@ -1,0 +1,173 @@
+"""Host buffers: ring storage, sampling, priorities, validation and persistence."""
+
+import pickle
+
+import jax
+import numpy as np
+import pytest
+
+from coax_utils.replay import PrioritizedReplayBuffer, SimpleReplayBuffer, TransitionBatch
+
+BUFFERS = [SimpleReplayBuffer, PrioritizedReplayBuffer]
+
+
+def batch(ts, obs_dtype=np.float32, obs_dim=3):
+    rows = [
+        TransitionBatch.from_single(
+            s=np.full(obs_dim, t, obs_dtype), a=t, logp=0.0, r=float(t), done=False, gamma=0.9
+        )
+        for t in np.atleast_1d(ts)
+    ]
+    return TransitionBatch.concatenate(*rows)
+
+
+def snapshot(buffer):
+    """Everything observable about a buffer: contents, counters and its RNG state."""
+    return pickle.dumps(buffer)
+
+
+@pytest.mark.parametrize("cls", BUFFERS)
+def test_ring_overwrite_and_ids(cls):
+    buffer = cls(capacity=5, random_seed=0)
+    assert not buffer and len(buffer) == 0
+    for t in range(7):
+        buffer.add(batch(t))
+    assert buffer and len(buffer) == 5
+    rows = list(buffer)  # oldest first
+    assert [int(r.A[0]) for r in rows] == [2, 3, 4, 5, 6]
+    assert [int(r.idx[0]) for r in rows] == [2, 3, 4, 5, 6]
+    sample = buffer.sample(64)
+    np.testing.assert_array_equal(sample.A, sample.idx)  # ids are insertion counters
+    np.testing.assert_array_equal(sample.S[:, 0], sample.A)
+    assert set(sample.A.tolist()) <= {2, 3, 4, 5, 6}
+    # a batch larger than the buffer keeps its newest rows
+    buffer.add(batch(np.arange(100, 112)))
+    assert sorted(int(r.A[0]) for r in buffer) == list(range(107, 112))
+    buffer.clear()
+    assert len(buffer) == 0 and not buffer
+
+
+@pytest.mark.parametrize("cls", BUFFERS)
+def test_seeded_reproducibility_and_fresh_arrays(cls):
+    a, b, c = cls(20, random_seed=3), cls(20, random_seed=3), cls(20, random_seed=4)
+    for buf in (a, b, c):
+        buf.add(batch(np.arange(15)))
+    sa, sb, sc = a.sample(32), b.sample(32), c.sample(32)
+    np.testing.assert_array_equal(sa.idx, sb.idx)
+    assert not np.array_equal(sa.idx, sc.idx)
+    sa.S[:] = -1  # samples are copies, not views of the storage
+    assert all(r.S.min() >= 0 for r in a)
+
+
+@pytest.mark.parametrize("cls", BUFFERS)
+def test_rejected_calls_leave_the_buffer_unchanged(cls):
+    buffer = cls(10, random_seed=1)
+    with pytest.raises(ValueError, match="empty"):
+        buffer.sample(4)
+    buffer.add(batch([0, 1, 2]))
+    before = snapshot(buffer)
+    bad_batches = [
+        batch([5], obs_dim=4),  # per-item shape
+        batch([5], obs_dtype=np.float64),  # dtype
+        batch([5]).replace(A_next=np.array([1])),  # structure
+        batch([5, 6]).replace(Rn=np.zeros(3, np.float32)),  # batch sizes disagree
+    ]
+    for bad in bad_batches:
+        with pytest.raises(ValueError):
+            buffer.add(bad)
+    with pytest.raises(TypeError):
+        buffer.add({"S": 1})
+    for size in (0, -3):
+        with pytest.raises(ValueError):
+            buffer.sample(size)
+    with pytest.raises(TypeError):
+        buffer.sample(2.5)
+    if cls is PrioritizedReplayBuffer:
+        with pytest.raises(ValueError, match="finite"):
+            buffer.add(batch([5, 6]), Adv=np.array([1.0, np.nan]))
+        with pytest.raises(ValueError, match="shape"):
+            buffer.add(batch([5, 6]), Adv=np.array([1.0]))
+        with pytest.raises(ValueError):
+            buffer.update(np.array([0, 1]), np.array([np.inf, 1.0]))
+        with pytest.raises(ValueError):
+            buffer.update(np.array([-1]), np.array([1.0]))
+        with pytest.raises(ValueError):
+            buffer.update(np.array([0.5]), np.array([1.0]))
+    assert snapshot(buffer) == before
+    with pytest.raises(ValueError):
+        cls(0)
+    with pytest.raises(TypeError):
+        cls(2.0)
+
+
+def test_prioritized_frequencies_and_weights():
+    buffer = PrioritizedReplayBuffer(8, alpha=0.7, beta=0.6, epsilon=1e-3, random_seed=5)
+    adv = np.array([0.5, -1.0, 2.0, 4.0, 0.0, 1.0])  # the sign is ignored
+    buffer.add(batch(np.arange(6)), Adv=adv)
+    p = (np.abs(adv) + 1e-3) ** 0.7
+    P = p / p.sum()
+    n = 20000
+    counts = np.zeros(6)
+    for _ in range(n // 500):
+        s = buffer.sample(500)
+        np.add.at(counts, s.idx, 1)
+        w = (6 * P[s.idx]) ** -0.6
+        np.testing.assert_allclose(s.W, w / w.max(), rtol=1e-5)
+    # every count within 5 standard deviations of its expectation
+    np.testing.assert_array_less(np.abs(counts - n * P), 5 * np.sqrt(n * P * (1 - P)) + 1)
+    buffer.beta = 0.0
+    np.testing.assert_array_equal(buffer.sample(50).W, 1.0)
+
+
+def test_alpha_zero_is_uniform_and_alpha_is_settable():
+    buffer = PrioritizedReplayBuffer(4, alpha=0.0, random_seed=0)
+    buffer.add(batch(np.arange(4)), Adv=np.array([0.0, 1.0, 10.0, 100.0]))
+    counts = np.bincount(buffer.sample(8000).idx, minlength=4)
+    np.testing.assert_array_less(np.abs(counts - 2000), 200)
+    buffer.alpha = 1.0  # re-weights the stored transitions
+    counts = np.bincount(buffer.sample(8000).idx, minlength=4)
+    assert counts[3] > 6500 and counts[0] < 50
+    with pytest.raises(ValueError):
+        buffer.alpha = -1.0
+    with pytest.raises(ValueError):
+        buffer.epsilon = 0.0
+    assert buffer.alpha == 1.0
+
+
+def test_update_semantics():
+    buffer = PrioritizedReplayBuffer(4, alpha=1.0, epsilon=1e-6, random_seed=2)
+    buffer.add(batch(np.arange(4)), Adv=np.ones(4))
+    buffer.update(np.array([0, 1, 2]), np.zeros(3))
+    assert set(buffer.sample(200).idx.tolist()) == {3}
+    # duplicate ids: the last value wins
+    buffer.update(np.array([1, 1]), np.array([5.0, 0.0]))
+    assert set(buffer.sample(200).idx.tolist()) == {3}
+    # ids of overwritten transitions are ignored
+    buffer.add(batch([4]), Adv=np.zeros(1))  # id 4 overwrites id 0 in slot 0
+    buffer.update(np.array([0]), np.array([100.0]))
+    assert 4 not in set(buffer.sample(200).idx.tolist())
+    buffer.update(np.array([4]), np.array([100.0]))
+    assert np.mean(buffer.sample(500).idx == 4) > 0.9
+
+
+def test_add_without_adv_uses_the_max_priority():
+    buffer = PrioritizedReplayBuffer(10, alpha=1.0, epsilon=1e-6, random_seed=0)
+    buffer.add(batch([0, 1]), Adv=np.array([0.0, 3.0]))
+    buffer.add(batch([2]))  # gets |Adv| = 3, like id 1
+    counts = np.bincount(buffer.sample(6000).idx, minlength=3)
+    assert counts[0] == 0
+    assert abs(counts[1] - counts[2]) < 400
+
+
+@pytest.mark.parametrize("cls", BUFFERS)
+def test_pickle_round_trip_continues_the_rng_stream(cls):
+    buffer = cls(50, random_seed=7)
+    buffer.add(batch(np.arange(30)))
+    buffer.sample(5)
+    clone = pickle.loads(pickle.dumps(buffer))
+    for _ in range(3):
+        x, y = buffer.sample(16), clone.sample(16)
+        for a, b in zip(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y)):
+            np.testing.assert_array_equal(a, b)
+    clone.add(batch([99]))  # the clone has its own full-capacity storage
+    assert len(clone) == 31 and len(buffer) == 30

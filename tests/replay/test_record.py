@@ -1,0 +1,125 @@
+"""RecordTransitions on CartPole and on gymnasium vector envs, against manual tracing."""
+
+import gymnasium
+import numpy as np
+import pytest
+
+from coax_utils.replay import (
+    NStep,
+    RecordTransitions,
+    RecordVectorTransitions,
+    SimpleReplayBuffer,
+    TransitionBatch,
+)
+
+
+def contents(buffer):
+    rows = list(buffer)
+    return TransitionBatch.concatenate(*rows) if rows else None
+
+
+def test_cartpole_matches_manual_tracing():
+    buffer = SimpleReplayBuffer(10_000)
+    env = RecordTransitions(gymnasium.make("CartPole-v1"), buffer, NStep(n=3, gamma=0.9))
+    plain = gymnasium.make("CartPole-v1")
+    manual, expected = NStep(n=3, gamma=0.9), []
+    rng = np.random.default_rng(0)
+    for episode in range(3):
+        s, _ = env.reset(seed=episode)
+        p, _ = plain.reset(seed=episode)
+        done = truncated = False
+        while not (done or truncated):
+            a = int(rng.integers(2))
+            s, r, done, truncated, _ = env.step(a)
+            p_next, r2, d2, t2, _ = plain.step(a)
+            manual.add(p, a, r2, d2, truncated=t2, s_next=p_next)
+            while manual:
+                expected.append(manual.pop())
+            p = p_next
+        assert done and not truncated
+    got, want = contents(buffer), TransitionBatch.concatenate(*expected)
+    assert got.batch_size == want.batch_size == len(buffer)
+    for field in ("S", "A", "Rn", "In", "S_next"):
+        np.testing.assert_allclose(getattr(got, field), getattr(want, field), rtol=1e-6)
+    assert np.sum(got.In == 0) == 3 * 3  # the last n transitions of each terminated episode
+    # episode ends are marked for sequence sampling
+    seq = buffer.sample_sequences(100, 4)
+    assert not seq.mask.all()
+
+
+def test_truncated_episode_keeps_bootstrapping():
+    buffer = SimpleReplayBuffer(100)
+    env = RecordTransitions(
+        gymnasium.make("CartPole-v1", max_episode_steps=6), buffer, NStep(n=2, gamma=0.5)
+    )
+    env.reset(seed=1)
+    truncated = done = False
+    while not (truncated or done):
+        s_final, _, done, truncated, _ = env.step(len(buffer) % 2)  # alternate: stays up
+    assert truncated and not done
+    tb = contents(buffer)
+    assert tb.batch_size == 6
+    np.testing.assert_allclose(tb.In, [0.25] * 5 + [0.5])
+    np.testing.assert_allclose(tb.S_next[-1], s_final)
+    np.testing.assert_allclose(tb.S_next[-2], s_final)
+
+
+def test_default_tracer_and_validation():
+    buffer = SimpleReplayBuffer(100)
+    env = RecordTransitions(gymnasium.make("CartPole-v1"), buffer)
+    with pytest.raises(RuntimeError):
+        env.step(0)
+    s, _ = env.reset(seed=0)
+    s_next, r, *_ = env.step(1)
+    assert len(buffer) == 0  # the tracer pops a step once the next one arrives
+    env.step(0)
+    tb = contents(buffer)
+    np.testing.assert_allclose(tb.S[0], s)
+    np.testing.assert_allclose(tb.S_next[0], s_next)
+    np.testing.assert_allclose(tb.In, [1.0])  # 1-step, gamma 1
+    with pytest.raises(TypeError):
+        RecordTransitions(gymnasium.make("CartPole-v1"), object())
+
+
+@pytest.mark.parametrize("mode", ["NextStep", "SameStep"])
+def test_vector_env_one_tracer_per_sub_env(mode):
+    num_envs = 3
+    venv = gymnasium.vector.SyncVectorEnv(
+        [lambda: gymnasium.make("CartPole-v1", max_episode_steps=12)] * num_envs,
+        autoreset_mode=mode,
+    )
+    buffer = SimpleReplayBuffer(10_000)
+    env = RecordTransitions(venv, buffer)
+    assert isinstance(env, RecordVectorTransitions)
+    obs, _ = env.reset(seed=0)
+    rng = np.random.default_rng(1)
+    expected = [[] for _ in range(num_envs)]  # (S, A, R, In, S_next, ended) per sub-env
+    skip = np.zeros(num_envs, bool)
+    for _ in range(40):
+        actions = rng.integers(2, size=num_envs)
+        next_obs, rewards, term, trunc, info = env.step(actions)
+        for i in range(num_envs):
+            if skip[i]:
+                continue
+            final = info["final_obs"][i] if mode == "SameStep" and (term[i] or trunc[i]) else None
+            s_next = next_obs[i] if final is None else final
+            row = (obs[i], actions[i], rewards[i], 0.0 if term[i] else 1.0, s_next)
+            expected[i].append(row + (term[i] or trunc[i],))
+        skip = (term | trunc) & (mode == "NextStep")
+        obs = next_obs
+    # a 1-step tracer pops a step when the next one arrives or the episode ends
+    expected = [rows if rows[-1][-1] else rows[:-1] for rows in expected]
+    expected = [row[:-1] for rows in expected for row in rows]
+    got = contents(buffer)
+    assert got.batch_size == len(expected)
+    assert np.any(got.In == 0)  # some episodes terminated within 40 steps
+
+    def key(s, a, r, i, sn):
+        sn = s if i == 0 else sn  # after termination S_next is a placeholder (a copy of S)
+        return (np.round(s, 5).tobytes(), int(a), float(r), float(i), np.round(sn, 5).tobytes())
+
+    want = sorted(key(*row) for row in expected)
+    have = sorted(
+        key(got.S[k], got.A[k], got.Rn[k], got.In[k], got.S_next[k]) for k in range(got.batch_size)
+    )
+    assert have == want

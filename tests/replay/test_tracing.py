@@ -1,0 +1,184 @@
+"""NStep and MonteCarlo tracers against an independent n-step-target oracle."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coax_utils.replay import EpisodeDoneError, InsufficientCacheError, MonteCarlo, NStep
+
+# the 13-step episode of coax's own NStep tests
+S = np.arange(13)
+A = np.array([6, 3, 7, 4, 6, 9, 2, 6, 7, 4, 3, 7, 7])
+R = np.array([-0.48, 0.16, 0.23, 0.11, 1.46, 1.53, -2.43, 0.60, -0.25, -0.16, -1.47, 1.48, -0.02])
+GAMMA, N = 0.85, 5
+
+
+def value(s):
+    """An arbitrary state-value function used to compare bootstrapped targets."""
+    return 0.3 * np.asarray(s, np.float64) - 1.0
+
+
+def oracle_targets(rewards, states, n, gamma, end, final_state=None):
+    """Targets G_t = sum_{j<k} gamma^j r_{t+j} + bootstrap, computed directly.
+
+    end is "terminated" or "truncated"; after truncation the bootstrap state of the window
+    that runs past the end is ``final_state``.
+    """
+    T = len(rewards)
+    out = []
+    for t in range(T):
+        k = min(n, T - t)
+        g = sum(gamma**j * rewards[t + j] for j in range(k))
+        if t + n < T:
+            g += gamma**n * value(states[t + n])
+        elif end == "truncated":
+            g += gamma**k * value(final_state)
+        out.append(g)
+    return np.array(out)
+
+
+def feed(tracer, rewards, end, s_next=None, eager=True):
+    batches = []
+    T = len(rewards)
+    for t in range(T):
+        last = t == T - 1
+        tracer.add(
+            S[t] if t < len(S) else t,
+            A[t % len(A)],
+            rewards[t],
+            done=last and end == "terminated",
+            truncated=last and end == "truncated",
+            s_next=s_next if last else None,
+        )
+        if eager:
+            while tracer:
+                batches.append(tracer.pop())
+    if not eager:
+        batches.append(tracer.flush())
+    return batches
+
+
+def targets_of(batches):
+    from coax_utils.replay import TransitionBatch
+
+    tb = TransitionBatch.concatenate(*batches)
+    return tb, tb.Rn + tb.In * value(tb.S_next)
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_nstep_matches_coax_episode(eager):
+    tracer = NStep(N, GAMMA)
+    tb, _ = targets_of(feed(tracer, R, "terminated", eager=eager))
+    Rn = [sum(GAMMA**j * R[t + j] for j in range(min(N, 13 - t))) for t in range(13)]
+    np.testing.assert_allclose(tb.Rn, Rn, rtol=1e-5)
+    np.testing.assert_allclose(tb.In, [GAMMA**N] * 8 + [0.0] * 5, rtol=1e-6)
+    np.testing.assert_array_equal(tb.S, S)
+    np.testing.assert_array_equal(tb.S_next[:-N], S[N:])
+    np.testing.assert_array_equal(tb.A_next[:-N], A[N:])
+    assert not tracer and len(tracer) == 0
+
+
+def test_truthiness_pop_and_errors():
+    tracer = NStep(2, 0.5)
+    with pytest.raises(InsufficientCacheError):
+        tracer.pop()
+    with pytest.raises(InsufficientCacheError):
+        tracer.flush()
+    tracer.add(0, 0, 1.0, False)
+    tracer.add(1, 0, 1.0, False)
+    assert not tracer and len(tracer) == 2
+    tracer.add(2, 0, 1.0, True)
+    assert tracer
+    with pytest.raises(EpisodeDoneError):
+        tracer.add(3, 0, 1.0, False)
+    assert len(tracer) == 3  # the rejected add changed nothing
+    assert tracer.flush().batch_size == 3
+    tracer.add(10, 0, 1.0, False)  # a new episode after the tracer was emptied
+    assert len(tracer) == 1 and not tracer
+    with pytest.raises(ValueError, match="finite"):
+        tracer.add(11, 0, float("nan"), False)
+    with pytest.raises(ValueError):
+        NStep(0, 0.9)
+    with pytest.raises(ValueError):
+        NStep(2, 1.1)
+
+
+def test_truncation_keeps_bootstrapping_from_s_next():
+    tracer = NStep(3, 0.9)
+    rewards = np.ones(5)
+    tb, targets = targets_of(feed(tracer, rewards, "truncated", s_next=100))
+    np.testing.assert_allclose(targets, oracle_targets(rewards, S, 3, 0.9, "truncated", 100))
+    np.testing.assert_allclose(tb.In, [0.9**3, 0.9**3, 0.9**3, 0.9**2, 0.9], rtol=1e-6)
+    np.testing.assert_array_equal(tb.S_next, [3, 4, 100, 100, 100])
+
+
+def test_truncation_without_s_next_bootstraps_from_last_state():
+    tracer = NStep(3, 0.9)
+    rewards = np.arange(1.0, 6.0)
+    tb, targets = targets_of(feed(tracer, rewards, "truncated"))
+    assert tb.batch_size == 4  # the last step has nothing left to accumulate: dropped
+    expected = oracle_targets(rewards[:4], S, 3, 0.9, "truncated", final_state=S[4])
+    np.testing.assert_allclose(targets, expected, rtol=1e-6)
+    np.testing.assert_array_equal(tb.A_next[-1], A[4])  # the action actually taken at S_next
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    T=st.integers(1, 12),
+    n=st.integers(1, 6),
+    gamma=st.floats(0.0, 1.0),
+    end=st.sampled_from(["terminated", "truncated"]),
+    eager=st.booleans(),
+)
+def test_nstep_targets_property(T, n, gamma, end, eager):
+    rewards = np.random.default_rng(T * 7 + n).normal(size=T)
+    tb, targets = targets_of(feed(NStep(n, gamma), rewards, end, s_next=50, eager=eager))
+    expected = oracle_targets(rewards, S, n, gamma, end, final_state=50)
+    np.testing.assert_allclose(targets, expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(tb.S, S[:T])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    T=st.integers(1, 12),
+    gamma=st.floats(0.0, 1.0),
+    end=st.sampled_from(["terminated", "truncated"]),
+)
+def test_monte_carlo_targets_property(T, gamma, end):
+    rewards = np.random.default_rng(T).normal(size=T)
+    tracer = MonteCarlo(gamma)
+    batches = feed(tracer, rewards, end, s_next=50, eager=False)
+    tb, targets = targets_of(batches)
+    np.testing.assert_array_equal(tb.S, S[:T][::-1])  # popped last step first
+    expected = oracle_targets(rewards, S, T + 1, gamma, end, final_state=50)[::-1]
+    np.testing.assert_allclose(targets, expected, rtol=1e-4, atol=1e-4)
+    if end == "terminated":
+        assert np.all(tb.In == 0)
+
+
+def test_monte_carlo_waits_for_episode_end():
+    tracer = MonteCarlo(0.5)
+    tracer.add(0, 0, 1.0, False)
+    assert not tracer
+    with pytest.raises(InsufficientCacheError):
+        tracer.pop()
+    tracer.add(1, 0, 2.0, True)
+    with pytest.raises(EpisodeDoneError):
+        tracer.add(2, 0, 1.0, False)
+    tb = tracer.flush()
+    np.testing.assert_allclose(tb.Rn, [2.0, 2.0])
+
+
+def test_extra_info_records_windows():
+    tracer = NStep(N, GAMMA, record_extra_info=True)
+    for t in range(N + 2):
+        tracer.add(S[t], A[t], R[t], t == N + 1)
+    tb = tracer.flush()
+    assert isinstance(tb.extra_info, dict)
+    states = np.stack(tb.extra_info["states"])  # (n + 1, batch)
+    np.testing.assert_array_equal(states[0], tb.S)
+    np.testing.assert_array_equal(states[1, 0], S[1])
+    dones = np.stack(tb.extra_info["dones"])
+    for i in range(N + 2):
+        assert dones[:, i].sum() == i

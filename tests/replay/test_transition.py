@@ -1,0 +1,65 @@
+"""TransitionBatch: a pytree with coax's fields, batch helpers and concatenation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coax_utils.replay import TransitionBatch
+
+
+def make(t, done=False, gamma=0.9):
+    s = np.full(3, t, np.float32)
+    return TransitionBatch.from_single(
+        s=s, a=t, logp=-0.5, r=float(t), done=done, gamma=gamma, s_next=s + 1, a_next=t + 1
+    )
+
+
+def test_from_single_fields_and_bootstrap_factor():
+    tb = make(2)
+    assert tb.batch_size == 1 and len(tb) == 1
+    np.testing.assert_array_equal(tb.S, [[2, 2, 2]])
+    np.testing.assert_array_equal(tb.S_next, [[3, 3, 3]])
+    np.testing.assert_allclose(tb.In, [0.9])
+    np.testing.assert_allclose(make(2, done=True).In, [0.0])
+    np.testing.assert_allclose(tb.W, [1.0])
+    assert tb.idx is None and tb.extra_info is None
+    with pytest.raises(ValueError, match="gamma"):
+        make(0, gamma=1.5)
+
+
+def test_is_a_pytree_without_recomputed_defaults():
+    tb = TransitionBatch.concatenate(make(0), make(1), make(2))
+    leaves, treedef = jax.tree_util.tree_flatten(tb)
+    assert len(leaves) == 8  # S A logP Rn In S_next A_next W (None fields are no leaves)
+    back = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert back.idx is None and back.logP_next is None
+    doubled = jax.tree_util.tree_map(lambda x: x * 2, tb)
+    np.testing.assert_array_equal(doubled.Rn, [0, 2, 4])
+
+    @jax.jit
+    def target(batch):
+        return batch.Rn + batch.In * jnp.sum(batch.S_next, axis=1)
+
+    np.testing.assert_allclose(target(tb), [0 + 0.9 * 3, 1 + 0.9 * 6, 2 + 0.9 * 9], rtol=1e-6)
+
+
+def test_to_singles_and_concatenate_round_trip():
+    tb = TransitionBatch.concatenate(*(make(t) for t in range(4)))
+    assert tb.batch_size == 4
+    singles = list(tb.to_singles())
+    assert [s.batch_size for s in singles] == [1] * 4
+    assert [int(s.A[0]) for s in singles] == [0, 1, 2, 3]
+    again = TransitionBatch.concatenate(*singles)
+    for a, b in zip(jax.tree_util.tree_leaves(tb), jax.tree_util.tree_leaves(again)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(tb[1:3].A, [1, 2])
+    np.testing.assert_array_equal(tb[2].A, [2])
+
+
+def test_concatenate_rejects_different_structures():
+    with_idx = make(0).replace(idx=np.array([7]))
+    with pytest.raises(ValueError, match="structure"):
+        TransitionBatch.concatenate(make(1), with_idx)
+    with pytest.raises(ValueError):
+        TransitionBatch.concatenate()
