@@ -1,0 +1,218 @@
+"""GymnaxSource with a small JAX environment written here (both step conventions)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coax_utils.sources import BatchedSource, GymnaxSource, GymnaxSourceState, Source
+
+
+class Chain:
+    """Walk right along a chain: terminated at ``goal``, truncated after ``max_steps``.
+
+    ``new_api=True`` gives the gymnax >= 1.0 step (terminated, truncated); otherwise the old
+    step with a single ``done``. Every executed reset is counted on the host.
+    """
+
+    def __init__(self, new_api):
+        self.new_api = new_api
+        self.resets = 0
+
+    def _count_reset(self):
+        self.resets += 1
+
+    def reset(self, key, params):
+        jax.debug.callback(self._count_reset)
+        pos = jax.random.randint(key, (), 0, 2)
+        state = {"pos": pos, "t": jnp.zeros([], jnp.int32)}
+        return jnp.stack([pos, state["t"]]).astype(jnp.float32), state
+
+    def step(self, key, state, action, params):
+        pos = state["pos"] + action
+        t = state["t"] + 1
+        obs = jnp.stack([pos, t]).astype(jnp.float32)
+        reward = pos.astype(jnp.float32)
+        terminated = pos >= params["goal"]
+        truncated = jnp.logical_and(~terminated, t >= params["max_steps"])
+        info = {"t": t}
+        new_state = {"pos": pos, "t": t}
+        if self.new_api:
+            return obs, new_state, reward, terminated, truncated, info
+        return obs, new_state, reward, jnp.logical_or(terminated, truncated), info
+
+
+PARAMS = {"goal": jnp.int32(4), "max_steps": jnp.int32(3)}
+
+
+def policy(obs, policy_state, new_episode, key):
+    """Step right with probability 1/2; count calls and episode starts."""
+    action = jax.random.bernoulli(key).astype(jnp.int32)
+    return action, {
+        "calls": policy_state["calls"] + 1,
+        "episodes": policy_state["episodes"] + new_episode.astype(jnp.int32),
+    }
+
+
+TEMPLATE = {"calls": jnp.int32(0), "episodes": jnp.int32(0)}
+
+
+def rollout(source, steps, key=0):
+    state = source.init_state(jax.random.key(key)).replace(policy_state=TEMPLATE)
+
+    def body(state, _):
+        item, mask, new = source.next(state)
+        return new, (item, mask, state.new_episode, new.epoch)
+
+    return jax.jit(lambda s: jax.lax.scan(body, s, None, length=steps))(state)
+
+
+@pytest.mark.parametrize("new_api", [False, True])
+def test_transitions_are_consistent(new_api):
+    env = Chain(new_api)
+    source = GymnaxSource(env, PARAMS, policy, TEMPLATE, steps_per_epoch=1000)
+    assert isinstance(source, Source)
+    steps = 200
+    state, (items, masks, new_episode, epochs) = rollout(source, steps)
+    items = jax.tree_util.tree_map(np.asarray, items)
+    assert bool(np.all(masks)) and masks.shape == (steps,)
+    assert np.all(epochs == 0)
+    done = items["done"]
+    if new_api:
+        assert np.array_equal(done, items["terminated"] | items["truncated"])
+        assert items["terminated"].any() and items["truncated"].any()
+    else:
+        assert "terminated" not in items and "truncated" not in items
+    assert done.any() and not done.all()
+    # Within an episode, next_state of one step is the state of the following step.
+    cont = ~done[:-1]
+    assert np.array_equal(items["next_state"][:-1][cont], items["state"][1:][cont])
+    # After a terminal step a fresh episode starts at time 0.
+    assert np.all(items["state"][1:][done[:-1]][:, 1] == 0)
+    assert np.array_equal(np.asarray(new_episode)[1:], done[:-1])
+    assert bool(new_episode[0])
+    # Rewards and actions agree with the dynamics.
+    assert np.array_equal(items["next_state"][:, 0], items["state"][:, 0] + items["action"])
+    assert np.array_equal(items["reward"], items["next_state"][:, 0])
+    assert np.array_equal(items["info"]["t"], items["next_state"][:, 1])
+    # The policy state is threaded through every step and sees every episode start.
+    assert int(state.policy_state["calls"]) == steps
+    assert int(state.policy_state["episodes"]) == 1 + int(done[:-1].sum())
+    # The environment is reset once at init and once per finished episode, not more.
+    assert env.resets == 1 + int(done.sum())
+
+
+@pytest.mark.parametrize("new_api", [False, True])
+def test_element_spec_matches_emitted_items(new_api):
+    source = GymnaxSource(Chain(new_api), PARAMS, policy, TEMPLATE, steps_per_epoch=8)
+    state = source.init_state(jax.random.key(1)).replace(policy_state=TEMPLATE)
+    item, mask, _ = jax.jit(source.next)(state)
+    spec = source.element_spec()
+    expected = {"state", "action", "reward", "next_state", "done", "info"}
+    if new_api:
+        expected |= {"terminated", "truncated"}
+    assert set(item) == expected
+    chex.assert_trees_all_equal_shapes_and_dtypes(
+        item, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
+    )
+    assert mask.shape == () and mask.dtype == jnp.bool_
+
+
+def test_epochs_reset_the_environment():
+    env = Chain(True)
+    source = GymnaxSource(
+        env,
+        {"goal": jnp.int32(100), "max_steps": jnp.int32(100)},
+        policy,
+        TEMPLATE,
+        steps_per_epoch=5,
+    )
+    state, (items, _, new_episode, epochs) = rollout(source, 12)
+    assert epochs.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
+    starts = [True, False, False, False, False] * 2 + [True, False]
+    assert np.asarray(new_episode).tolist() == starts
+    assert np.asarray(items["state"][:, 1]).tolist() == [0, 1, 2, 3, 4] * 2 + [0, 1]
+    assert not np.asarray(items["done"]).any()
+    assert env.resets == 3
+    assert int(state.step) == 2 and int(state.epoch) == 2
+
+
+def test_different_keys_give_different_rollouts():
+    source = GymnaxSource(Chain(False), PARAMS, policy, TEMPLATE, steps_per_epoch=50)
+    _, (a, _, _, _) = rollout(source, 50, key=0)
+    _, (b, _, _, _) = rollout(source, 50, key=1)
+    _, (c, _, _, _) = rollout(source, 50, key=0)
+    assert not np.array_equal(a["action"], b["action"])
+    chex.assert_trees_all_equal(a, c)
+
+
+def test_next_requires_a_policy_state():
+    source = GymnaxSource(Chain(False), PARAMS, policy, TEMPLATE)
+    state = source.init_state(jax.random.key(0))
+    assert isinstance(state, GymnaxSourceState) and state.policy_state is None
+    with pytest.raises(ValueError, match=r"state.replace\(policy_state=...\)"):
+        source.next(state)
+    with pytest.raises(ValueError, match="no policy_state"):
+        jax.jit(source.next)(state)
+    item, _, state = source.next(state.replace(policy_state=TEMPLATE))
+    assert int(state.policy_state["calls"]) == 1
+
+
+def test_batched_rollouts():
+    source = BatchedSource(
+        GymnaxSource(Chain(True), PARAMS, policy, TEMPLATE, steps_per_epoch=10), batch_size=4
+    )
+    assert source.steps_per_epoch == 3
+    state = source.init_state(jax.random.key(0))
+    state = state.replace(inner=state.inner.replace(policy_state=TEMPLATE))
+    step = jax.jit(source.next)
+    masks = []
+    for _ in range(3):
+        batch, mask, state = step(state)
+        masks.append(np.asarray(mask).tolist())
+    assert batch["state"].shape == (4, 2)
+    assert masks == [[True] * 4, [True] * 4, [True, True, False, False]]
+    assert int(state.epoch) == 1 and int(state.inner.epoch) == 1
+    assert int(state.inner.policy_state["calls"]) == 10
+
+
+def test_no_retrace_on_second_call():
+    source = GymnaxSource(Chain(True), PARAMS, policy, TEMPLATE, steps_per_epoch=3)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(state):
+        return source.next(state)
+
+    state = source.init_state(jax.random.key(0)).replace(policy_state=TEMPLATE)
+    for _ in range(5):
+        _, _, state = step(state)
+    assert int(state.epoch) == 1
+
+
+class ThreeTuple:
+    def reset(self, key, params):
+        return jnp.zeros(2), jnp.zeros(())
+
+    def step(self, key, state, action, params):
+        return jnp.zeros(2), state, jnp.float32(0)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, match",
+    [
+        (
+            (Chain(False), PARAMS, policy, TEMPLATE),
+            dict(steps_per_epoch=0),
+            ValueError,
+            "steps_per_epoch must be a positive integer, got 0",
+        ),
+        ((Chain(False), PARAMS, policy, None), {}, ValueError, "policy_state_template"),
+        ((Chain(False), PARAMS, "policy", TEMPLATE), {}, TypeError, "callable"),
+        ((ThreeTuple(), None, policy, TEMPLATE), {}, ValueError, "got 3"),
+    ],
+)
+def test_bad_arguments(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GymnaxSource(*args, **kwargs)
