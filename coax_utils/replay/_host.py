@@ -164,11 +164,12 @@ class _RingStorage:
         """Write validated leaves into the ring; return the slots written."""
         if self._storage is None:
             self._allocate(leaves, treedef)
+        elif not all(arr.flags.writeable for arr in self._storage):
+            raise ValueError("the buffer is read-only (loaded with mmap_mode='r')")
         ids = self._count + np.arange(batch_size, dtype=np.int64)
         episode = np.full(batch_size, self._episode_counter, np.int64)
         if ends is not None and batch_size:
             episode[1:] += np.cumsum(ends[:-1])
-            self._episode_counter += int(ends.sum())
         keep = slice(max(0, batch_size - self._capacity), None)  # only the newest rows fit
         ids, episode = ids[keep], episode[keep]
         slots = ids % self._capacity
@@ -185,6 +186,8 @@ class _RingStorage:
             self._ids[slots] = ids
             self._episode[slots] = episode
         self._count += batch_size
+        if ends is not None:
+            self._episode_counter += int(ends.sum())
         return slots, ids
 
     def _gather(self, slots: np.ndarray, W: np.ndarray | None = None) -> TransitionBatch:
@@ -371,7 +374,7 @@ class _RingStorage:
         if mmap_mode not in ("c", "r+", "r", None):
             raise ValueError(f"mmap_mode must be 'c', 'r+', 'r' or None, got {mmap_mode!r}")
         path = os.fspath(path)
-        state = load(os.path.join(path, "meta.lz4"))
+        state = load(os.path.join(path, "meta.lz4"), safe=True)
         if not isinstance(state, dict) or state.get("_class") != cls.__name__:
             found = state.get("_class") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"{path!r} does not hold a saved {cls.__name__} (found {found!r})")

@@ -176,3 +176,20 @@ def test_prioritized_alpha_zero_is_uniform():
     counts = np.bincount(np.asarray(out.indices), minlength=4)
     np.testing.assert_array_less(np.abs(counts - 2000), 200)
     np.testing.assert_allclose(out.weights, 1.0)
+
+
+def test_states_checkpoint_with_utils_dump(tmp_path):
+    from coax_utils import utils
+
+    buffer = make_prioritized_buffer(8)
+    add, sample = jax.jit(buffer.add), jax.jit(buffer.sample, static_argnums=2)
+    state = add(buffer.init(EXAMPLE), items(range(5)))
+    state = jax.jit(buffer.update)(state, jnp.arange(5), jnp.arange(5.0))
+    utils.dump(state, tmp_path / "state.lz4")
+    restored = utils.load(tmp_path / "state.lz4", safe=True)
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
+    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    key = jax.random.key(9)
+    np.testing.assert_array_equal(sample(state, key, 16).indices, sample(restored, key, 16).indices)

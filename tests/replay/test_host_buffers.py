@@ -171,3 +171,56 @@ def test_pickle_round_trip_continues_the_rng_stream(cls):
             np.testing.assert_array_equal(a, b)
     clone.add(batch([99]))  # the clone has its own full-capacity storage
     assert len(clone) == 31 and len(buffer) == 30
+
+
+@pytest.mark.parametrize("cls", BUFFERS)
+def test_utils_dump_round_trip_continues_the_rng_stream(cls, tmp_path):
+    from coax_utils import utils
+
+    buffer = cls(40, random_seed=11)
+    buffer.add(batch(np.arange(25)))
+    if cls is PrioritizedReplayBuffer:
+        buffer.update(np.arange(25), np.linspace(0, 3, 25))
+    buffer.sample(3)
+    utils.dump(buffer, tmp_path / "buffer.lz4")
+    clone = utils.load(tmp_path / "buffer.lz4", safe=True)
+    assert type(clone) is cls and len(clone) == 25
+    for _ in range(3):
+        x, y = buffer.sample(16), clone.sample(16)
+        for a, b in zip(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y)):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cls", BUFFERS)
+@pytest.mark.parametrize("mmap_mode", ["c", "r+", "r", None])
+def test_save_load_directory_of_memory_mapped_arrays(cls, mmap_mode, tmp_path):
+    buffer = cls(16, random_seed=4)
+    for t in range(20):  # wrapped
+        buffer.add(batch(t, obs_dtype=np.uint8))
+    if cls is PrioritizedReplayBuffer:
+        buffer.update(np.arange(4, 20), np.arange(16.0))
+    path = tmp_path / "saved"
+    buffer.save(path)
+    assert sorted(p.name for p in path.iterdir())[-1] == "meta.lz4"
+    clone = cls.load(path, mmap_mode=mmap_mode)
+    if mmap_mode is not None:
+        assert isinstance(clone._storage[0], np.memmap)
+    x, y = buffer.sample(32), clone.sample(32)
+    for a, b in zip(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y)):
+        np.testing.assert_array_equal(a, b)
+    assert [int(r.A[0]) for r in clone] == list(range(4, 20))
+    if mmap_mode == "r":
+        before = pickle.dumps(clone)
+        with pytest.raises(ValueError, match="read-only"):
+            clone.add(batch(99, obs_dtype=np.uint8), episode_end=True)
+        assert pickle.dumps(clone) == before
+    else:
+        clone.add(batch(99, obs_dtype=np.uint8))
+        assert int(list(clone)[-1].A[0]) == 99
+        again = cls.load(path)
+        changed = any(int(r.A[0]) == 99 for r in again)
+        assert changed == (mmap_mode == "r+")  # only r+ writes through to the files
+    with pytest.raises(ValueError):
+        (SimpleReplayBuffer if cls is PrioritizedReplayBuffer else PrioritizedReplayBuffer).load(
+            path
+        )
