@@ -8,6 +8,7 @@ gymnax API, calling it from jitted code with :func:`jax.experimental.io_callback
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -91,11 +92,14 @@ class GymnasiumToJax:
     **Autoreset.** Like gymnax, ``step`` on a single env resets it when the episode ends
     (``terminated or truncated``): the returned ``obs`` is then the first observation of
     the next episode, and ``info["final_obs"]`` is the last observation of the finished
-    one. Vector envs (:class:`gymnasium.vector.SyncVectorEnv`,
-    :class:`~gymnasium.vector.AsyncVectorEnv`) reset themselves following their own
-    ``autoreset_mode`` (gymnasium's default is next-step: the step after the end returns
-    the reset observation with zero reward); the bridge adds nothing, and observations,
-    rewards and flags carry a leading ``num_envs`` axis.
+    one. ``step_env`` is the same step without autoreset (as in gymnax): after the end of
+    an episode the next call must be ``reset``.
+
+    **Vector envs.** :class:`gymnasium.vector.SyncVectorEnv` and
+    :class:`~gymnasium.vector.AsyncVectorEnv` reset their sub-envs themselves, following
+    their own ``autoreset_mode`` (gymnasium's default is next-step: the step after the end
+    returns the reset observation with zero reward); the bridge adds nothing, and
+    observations, rewards and flags carry a leading ``num_envs`` axis.
 
     **Info.** A gymnasium info dict has no fixed shape, so it is not passed through whole.
     The returned ``info`` contains exactly:
@@ -110,10 +114,10 @@ class GymnasiumToJax:
     **Misuse.** The wrapped env has a single state on the host, so the bridge refuses what
     it cannot honour, with a :class:`ValueError` (surfacing from jitted code as a runtime
     error that carries the message): :func:`jax.vmap` over ``reset``/``step`` (use a
-    gymnasium vector env for batches), ``step`` before ``reset``, and ``step`` with a stale
+    gymnasium vector env for batches), ``step`` before ``reset``, ``step`` with a stale
     state, i.e. any state other than the one returned by the latest ``reset``/``step``
-    (e.g. stepping the same state twice). With ``autoreset=False``, stepping a single env
-    whose episode is over is refused as well.
+    (e.g. stepping the same state twice), and stepping a single env whose episode ended in
+    ``step_env`` without a ``reset`` in between.
 
     Parameters
     ----------
@@ -124,9 +128,6 @@ class GymnasiumToJax:
     info_spec : mapping of str to jax.ShapeDtypeStruct, optional
         Info keys to keep, with their shape and dtype (per step; vector envs report arrays
         with a leading ``num_envs`` axis).
-    autoreset : bool, optional
-        Whether ``step`` resets a single env at the end of an episode (default True).
-        Ignored for vector envs.
 
     Attributes
     ----------
@@ -142,7 +143,6 @@ class GymnasiumToJax:
         seed: int | None = None,
         *,
         info_spec: Mapping[str, Any] | None = None,
-        autoreset: bool = True,
     ) -> None:
         for attr in ("reset", "step", "observation_space", "action_space"):
             if not hasattr(env, attr):
@@ -151,7 +151,6 @@ class GymnasiumToJax:
             raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
         self.env = env
         self.num_envs = int(env.num_envs) if isinstance(env, gymnasium.vector.VectorEnv) else None
-        self._autoreset = bool(autoreset)
         self._seed = None if seed is None else int(seed)
         self._obs_space = to_jax_space(env.observation_space)
         self._act_space = to_jax_space(env.action_space)
@@ -193,7 +192,12 @@ class GymnasiumToJax:
         self._episode_over = False
 
         self._call_reset = self._no_vmap(self._io(self._host_reset, self._reset_result), "reset")
-        self._call_step = self._no_vmap(self._io(self._host_step, self._step_result), "step")
+        self._call_step = self._no_vmap(
+            self._io(functools.partial(self._host_step, True), self._step_result), "step"
+        )
+        self._call_step_env = self._no_vmap(
+            self._io(functools.partial(self._host_step, False), self._step_result), "step_env"
+        )
 
     # -- the gymnax API --------------------------------------------------------------------
 
@@ -259,9 +263,22 @@ class GymnasiumToJax:
             When ``action`` does not have the action space's structure and shapes (at trace
             time), or when the state is stale or no reset happened (when the step runs).
         """
+        return self._step(self._call_step, state, action)
+
+    def step_env(
+        self, key: jax.Array, state: GymnasiumState, action: Any, params: Any = None
+    ) -> tuple[Any, GymnasiumState, jax.Array, jax.Array, jax.Array, dict]:
+        """Take one step without autoreset (same arguments and returns as :meth:`step`).
+
+        After a single env's episode ends here, the next call must be :meth:`reset`. For
+        vector envs this is the same as :meth:`step`.
+        """
+        return self._step(self._call_step_env, state, action)
+
+    def _step(self, call: Callable, state: GymnasiumState, action: Any) -> tuple:
         counter = jnp.asarray(state.counter, jnp.uint32)
         leaves = self._action_leaves(action)
-        out = self._call_step(counter, *leaves)
+        out = call(counter, *leaves)
         n = len(self._obs_leaf_specs)
         obs = self._obs_treedef.unflatten(out[:n])
         reward, terminated, truncated = out[n : n + 3]
@@ -288,7 +305,13 @@ class GymnasiumToJax:
             ) from e
         out = []
         for x, spec in zip(leaves, self._act_leaf_specs):
-            x = jnp.asarray(x)
+            try:
+                x = jnp.asarray(x)
+            except TypeError as e:
+                raise ValueError(
+                    f"action {action!r} does not have the structure of the action space "
+                    f"{self._act_space!r}"
+                ) from e
             if x.shape != spec.shape:
                 raise ValueError(
                     f"action of shape {x.shape} does not match the action space "
@@ -351,7 +374,7 @@ class GymnasiumToJax:
         self._counter = (self._counter + 1) % _COUNTER_MOD
         return (np.uint32(self._counter), *leaves)
 
-    def _host_step(self, counter: Any, *action_leaves: Any) -> tuple:
+    def _host_step(self, autoreset: bool, counter: Any, *action_leaves: Any) -> tuple:
         counter = int(counter)
         if not self._reset_done:
             raise ValueError(
@@ -366,8 +389,8 @@ class GymnasiumToJax:
             )
         if self._episode_over:
             raise ValueError(
-                "GymnasiumToJax.step was called after the episode ended with autoreset=False: "
-                "call reset(key, params) first"
+                "GymnasiumToJax.step was called after the episode ended in step_env: call "
+                "reset(key, params) first"
             )
         host = [np.asarray(a) for a in action_leaves]
         action = _cast_action(self._gym_act_space, self._act_treedef.unflatten(host))
@@ -376,7 +399,7 @@ class GymnasiumToJax:
         leaves = final
         if self.num_envs is None:
             if terminated or truncated:
-                if self._autoreset:
+                if autoreset:
                     obs, _ = self.env.reset()
                     leaves = self._obs_leaves(obs, "the observation of reset")
                 else:

@@ -255,9 +255,10 @@ class Discrete(Space):
         return jax.ShapeDtypeStruct((), _canonical(self.dtype))
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Discrete)
-            and (self.n, self.start, self.dtype) == (other.n, other.start, other.dtype)
+        return isinstance(other, Discrete) and (self.n, self.start, self.dtype) == (
+            other.n,
+            other.start,
+            other.dtype,
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -504,9 +505,7 @@ class Dict(Space):
         return self.spaces.keys()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Dict) and list(self.spaces.items()) == list(
-            other.spaces.items()
-        )
+        return isinstance(other, Dict) and list(self.spaces.items()) == list(other.spaces.items())
 
     __hash__ = None  # type: ignore[assignment]
 
