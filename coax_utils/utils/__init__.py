@@ -58,6 +58,15 @@ from coax_utils.utils._segment_tree_fn import sum_tree_total
 from coax_utils.utils._segment_tree_fn import sum_tree_values
 # -- checkpoints ---------------------------------------------------------------------------
 # -- environments and GIFs -----------------------------------------------------------------
+from coax_utils.utils._envs import check_preprocessors
+from coax_utils.utils._envs import default_preprocessor
+from coax_utils.utils._envs import get_env_attr
+from coax_utils.utils._envs import get_transition_batch
+from coax_utils.utils._envs import has_env_attr
+from coax_utils.utils._envs import make_dmc
+from coax_utils.utils._envs import render_episode
+from coax_utils.utils._envs import safe_sample
+from coax_utils.utils._gif import generate_gif
 
 __all__ = [
     "MaxTree",
@@ -69,14 +78,20 @@ __all__ = [
     "argmin",
     "batch_to_single",
     "check_array",
+    "check_preprocessors",
     "clipped_logit",
+    "default_preprocessor",
     "diff_transform",
     "diff_transform_matrix",
     "docstring",
     "double_relu",
     "enable_logging",
+    "generate_gif",
+    "get_env_attr",
     "get_grads_diagnostics",
     "get_magnitude_quantiles",
+    "get_transition_batch",
+    "has_env_attr",
     "idx",
     "is_policy",
     "is_qfunction",
@@ -86,6 +101,7 @@ __all__ = [
     "is_vfunction",
     "isscalar",
     "jit",
+    "make_dmc",
     "merge_dicts",
     "pretty_print",
     "pretty_repr",
@@ -93,6 +109,8 @@ __all__ = [
     "quantiles",
     "quantiles_uniform",
     "reload_recursive",
+    "render_episode",
+    "safe_sample",
     "single_to_batch",
     "stack_trees",
     "sum_tree_init",
