@@ -340,11 +340,11 @@ class SegmentTree:
         acc = np.full(lo.shape, self.init_value)
         for _ in range(self._height):
             take = (lo < hi) & (lo % 2 == 1)
-            acc = np.where(take, self.reducer(acc, arr[lo]), acc)
+            acc = np.where(take, self.reducer(acc, arr.take(lo, mode="clip")), acc)
             lo = lo + take
             take = (lo < hi) & (hi % 2 == 1)
             hi = hi - take
-            acc = np.where(take, self.reducer(acc, arr[hi]), acc)
+            acc = np.where(take, self.reducer(acc, arr.take(hi, mode="clip")), acc)
             lo, hi = lo >> 1, hi >> 1
         return acc
 

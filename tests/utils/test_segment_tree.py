@@ -1,0 +1,368 @@
+"""Tests of the host-side segment trees against naive NumPy oracles (numba and NumPy paths)."""
+
+import functools
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coax_utils.utils import MaxTree, MinTree, SegmentTree, SumTree, _segment_tree
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def backend(request, monkeypatch):
+    """Run a test with the compiled kernels and again with the NumPy fallback."""
+    monkeypatch.setattr(_segment_tree, "_USE_NUMBA", request.param == "numba")
+    if request.param == "numba":
+        assert _segment_tree._kernels() is not None
+    else:
+        assert _segment_tree._kernels() is None
+    return request.param
+
+
+def _oracle_reduce(reducer, init, values, start, stop):
+    return functools.reduce(reducer, values[start:stop], init)
+
+
+def _snapshot(tree):
+    return tree._arr.copy()
+
+
+# -- construction and lookups ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 3, 4, 5, 7, 8, 9, 1000, 1024])
+def test_any_capacity_shapes(capacity):
+    tree = SumTree(capacity)
+    assert tree.values.shape == (capacity,)
+    assert tree.height == int(np.ceil(np.log2(capacity))) + 1
+    assert len(tree) == capacity
+    assert tree[0].shape == (1,)
+    assert tree[-1].shape == (capacity,)
+    # a level never shows nodes that cover only padding
+    for level in range(tree.height):
+        assert tree[level].size == -(-capacity // 2 ** (tree.height - 1 - level))
+    assert tree.root_value == 0.0
+
+
+def test_level_lookups_and_views_are_read_only():
+    tree = SumTree(5)
+    tree.set_values(..., [1.0, 2.0, 3.0, 4.0, 5.0])
+    assert tree[0].tolist() == [15.0]
+    assert tree[1].tolist() == [10.0, 5.0]
+    assert tree[2].tolist() == [3.0, 7.0, 5.0]
+    assert tree[3].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert tree[3, 1] == 2.0
+    assert tree[-1, [0, 4]].tolist() == [1.0, 5.0]
+    assert tree[(2,)].tolist() == [3.0, 7.0, 5.0]
+    with pytest.raises(ValueError):
+        tree.values[0] = 100.0
+    with pytest.raises(ValueError):
+        tree[1][0] = 100.0
+    assert tree.root_value == 15.0
+    with pytest.raises(IndexError, match="level"):
+        tree[4]
+    with pytest.raises(IndexError):
+        tree["a"]
+    assert "level=3" in repr(tree)
+
+
+@pytest.mark.parametrize("capacity", [0, -1])
+def test_bad_capacity(capacity):
+    with pytest.raises(ValueError, match="capacity"):
+        SumTree(capacity)
+
+
+def test_bad_capacity_type():
+    with pytest.raises(TypeError, match="capacity"):
+        MinTree(3.5)
+    with pytest.raises(TypeError, match="reducer"):
+        SegmentTree(3, reducer=None, init_value=0.0)
+
+
+# -- set_values ------------------------------------------------------------------------------
+
+
+def test_set_values_index_forms(backend):
+    tree = SumTree(6)
+    tree.set_values(..., 1.0)
+    assert tree.values.tolist() == [1.0] * 6
+    tree.set_values(None, np.arange(6.0))
+    assert tree.values.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    tree.set_values(2, 7.0)
+    tree.set_values(np.int32(3), 8.0)
+    tree.set_values([0, -1], [9.0, 10.0])
+    tree.set_values(np.array([1], np.uint8), np.array([11.0], np.float32))
+    tree.set_values(np.array([], np.int64), [])
+    assert tree.values.tolist() == [9.0, 11.0, 7.0, 8.0, 4.0, 10.0]
+    assert tree.root_value == 49.0
+
+
+def test_duplicate_indices_last_write_wins(backend):
+    tree = SumTree(8)
+    tree.set_values(..., 1.0)
+    tree.set_values(np.array([3, 5, 3, 3, 5]), np.array([10.0, 20.0, 30.0, 40.0, 50.0]))
+    assert tree[-1, 3] == 40.0
+    assert tree[-1, 5] == 50.0
+    assert tree.root_value == tree.values.sum() == 96.0
+    assert tree.partial_reduce(2, 6) == 40.0 + 1.0 + 50.0 + 1.0
+
+
+@pytest.mark.parametrize(
+    "tree_factory, idx, values, error",
+    [
+        (lambda: SumTree(5), [0, 1], [1.0, -1.0], ValueError),
+        (lambda: SumTree(5), [0, 1], [1.0, np.nan], ValueError),
+        (lambda: SumTree(5), [0, 1], [np.inf, 1.0], ValueError),
+        (lambda: SumTree(5), [0, 5], [1.0, 1.0], IndexError),
+        (lambda: SumTree(5), [0, -6], [1.0, 1.0], IndexError),
+        (lambda: SumTree(5), [0, 1], [1.0, 2.0, 3.0], ValueError),
+        (lambda: SumTree(5), ..., [1.0, 2.0], ValueError),
+        (lambda: SumTree(5), np.array([0.0]), [1.0], IndexError),
+        (lambda: SumTree(5), np.zeros((1, 1), int), [1.0], IndexError),
+        (lambda: SumTree(5), [0, 1], ["a", "b"], TypeError),
+        (lambda: MinTree(5), [0, 1], [1.0, np.nan], ValueError),
+        (lambda: MaxTree(5), [3, 9], [1.0, 1.0], IndexError),
+        (
+            lambda: SegmentTree(5, np.multiply, 1.0),
+            [0, 1],
+            [2.0, np.nan],
+            ValueError,
+        ),
+    ],
+)
+def test_bad_input_raises_before_writing(backend, tree_factory, idx, values, error):
+    tree = tree_factory()
+    tree.set_values(..., 2.0)
+    before = _snapshot(tree)
+    with pytest.raises(error):
+        tree.set_values(idx, values)
+    np.testing.assert_array_equal(tree._arr, before)
+
+
+def test_error_messages_name_the_bad_entry():
+    tree = SumTree(4)
+    with pytest.raises(ValueError, match=r"values\[2\] = -3.0"):
+        tree.set_values([0, 1, 2], [1.0, 1.0, -3.0])
+    with pytest.raises(IndexError, match=r"idx\[1\] = 4"):
+        tree.set_values([0, 4], [1.0, 1.0])
+
+
+def test_min_max_trees_accept_infinities(backend):
+    tmin, tmax = MinTree(3), MaxTree(3)
+    tmin.set_values(..., [np.inf, -np.inf, 1.0])
+    tmax.set_values(..., [np.inf, -np.inf, 1.0])
+    assert tmin.root_value == -np.inf
+    assert tmax.root_value == np.inf
+    assert tmin.partial_reduce(2) == 1.0
+    assert tmax.partial_reduce(1, 3) == 1.0
+
+
+# -- partial_reduce --------------------------------------------------------------------------
+
+
+TREES = {
+    "sum": (lambda c: SumTree(c), np.add, 0.0),
+    "min": (lambda c: MinTree(c), np.minimum, np.inf),
+    "max": (lambda c: MaxTree(c), np.maximum, -np.inf),
+    # not a known reducer: always runs the generic NumPy code
+    "logaddexp": (lambda c: SegmentTree(c, np.logaddexp, -np.inf), np.logaddexp, -np.inf),
+}
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kind=st.sampled_from(sorted(TREES)),
+    capacity=st.integers(1, 70),
+    use_numba=st.booleans(),
+    data=st.data(),
+)
+def test_matches_naive_oracle(kind, capacity, use_numba, data):
+    factory, reducer, init = TREES[kind]
+    old = _segment_tree._USE_NUMBA
+    _segment_tree._USE_NUMBA = use_numba
+    try:
+        tree = factory(capacity)
+        ref = np.full(capacity, init)
+        for _ in range(3):
+            k = data.draw(st.integers(0, 2 * capacity))
+            idx = data.draw(st.lists(st.integers(-capacity, capacity - 1), min_size=k, max_size=k))
+            vals = data.draw(
+                st.lists(st.floats(0, 100, allow_subnormal=False), min_size=k, max_size=k)
+            )
+            for i, v in zip(idx, vals):
+                ref[i] = v
+            tree.set_values(np.array(idx, dtype=np.int64), np.array(vals))
+            np.testing.assert_array_equal(tree.values, ref)
+            np.testing.assert_allclose(tree.root_value, functools.reduce(reducer, ref, init))
+        starts = data.draw(st.lists(st.integers(0, capacity - 1), min_size=1, max_size=6))
+        stops = [data.draw(st.integers(s + 1, capacity)) for s in starts]
+        got = tree.partial_reduce(np.array(starts), np.array(stops))
+        expected = [_oracle_reduce(reducer, init, ref, a, b) for a, b in zip(starts, stops)]
+        np.testing.assert_allclose(got, expected, rtol=1e-12)
+        assert tree.partial_reduce(starts[0], stops[0]) == pytest.approx(expected[0], rel=1e-12)
+    finally:
+        _segment_tree._USE_NUMBA = old
+
+
+@pytest.mark.parametrize("capacity", [4, 8, 16, 7])
+def test_ranges_ending_at_the_last_leaf(backend, capacity):
+    tree = SumTree(capacity)
+    tree.set_values(..., np.arange(1.0, capacity + 1))
+    values = np.arange(1.0, capacity + 1)
+    for start in range(capacity):
+        assert tree.partial_reduce(start) == values[start:].sum()
+        assert tree.partial_reduce(start, capacity) == values[start:].sum()
+    assert tree.partial_reduce(-1) == values[-1]
+    assert tree.partial_reduce(0, -1) == values[:-1].sum()
+    np.testing.assert_array_equal(
+        tree.partial_reduce(np.arange(capacity), capacity),
+        np.cumsum(values[::-1])[::-1],
+    )
+
+
+@pytest.mark.parametrize(
+    "start, stop, error",
+    [
+        (0, 0, IndexError),
+        (3, 2, IndexError),
+        (0, 9, IndexError),
+        (-9, 2, IndexError),
+        (np.array([0, 3]), np.array([2, 3]), IndexError),
+        (np.array([0, 1]), np.array([2, 3, 4]), ValueError),
+        (0.5, 2, TypeError),
+        (0, np.array([1.0]), TypeError),
+    ],
+)
+def test_partial_reduce_rejects_bad_ranges(backend, start, stop, error):
+    tree = SumTree(8)
+    tree.set_values(..., 1.0)
+    with pytest.raises(error):
+        tree.partial_reduce(start, stop)
+
+
+# -- inverse_cdf and sampling ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capacity", [4, 5, 8, 1000])
+def test_inverse_cdf_never_returns_zero_or_padded_slots(backend, capacity):
+    values = np.zeros(capacity)
+    values[1] = 0.3
+    values[capacity - 2] = 0.1  # the last slot and the padding stay zero
+    tree = SumTree(capacity)
+    tree.set_values(..., values)
+    u = np.concatenate([[0.0, 1.0, 0.75, np.nextafter(1.0, 0)], np.linspace(0, 1, 1001)])
+    idx = tree.inverse_cdf(u)
+    assert idx.shape == u.shape
+    assert (values[idx] > 0).all()
+    assert tree.inverse_cdf(1.0) == capacity - 2
+    assert tree.inverse_cdf(0.0) == 1
+    assert tree.inverse_cdf(0.75) == capacity - 2
+    assert isinstance(tree.inverse_cdf(0.5), int)
+
+
+def test_inverse_cdf_matches_searchsorted(backend):
+    rng = np.random.default_rng(3)
+    values = rng.random(333)
+    values[rng.random(333) < 0.3] = 0.0
+    tree = SumTree(333)
+    tree.set_values(..., values)
+    u = rng.random((20, 50))
+    expected = np.searchsorted(np.cumsum(values), u * values.sum(), side="right")
+    np.testing.assert_array_equal(tree.inverse_cdf(u), expected)
+
+
+def test_inverse_cdf_and_sample_reject_bad_input(backend):
+    tree = SumTree(4)
+    with pytest.raises(ValueError, match="zero"):
+        tree.sample(3)
+    with pytest.raises(ValueError, match="zero"):
+        tree.inverse_cdf(0.5)
+    tree.set_values(0, 1.0)
+    for bad in [1.5, -0.1, np.nan, [0.2, 2.0]]:
+        with pytest.raises(ValueError, match=r"\[0, 1\]"):
+            tree.inverse_cdf(bad)
+    with pytest.raises(TypeError):
+        tree.inverse_cdf("x")
+    with pytest.raises(ValueError, match="n must be"):
+        tree.sample(0)
+    with pytest.raises(TypeError, match="n must be"):
+        tree.sample(2.0)
+
+
+# the NumPy path runs the same descent (see test_numba_and_numpy_paths_agree); its per-call
+# overhead makes 200k calls of sample(1) too slow for the suite, so B = 1 runs compiled only
+@pytest.mark.parametrize(
+    "use_numba, batch_size", [(True, 1), (True, 32), (True, 1024), (False, 32), (False, 1024)]
+)
+def test_sample_distribution_total_variation(monkeypatch, use_numba, batch_size):
+    monkeypatch.setattr(_segment_tree, "_USE_NUMBA", use_numba)
+    rng = np.random.default_rng(0)
+    capacity = 100
+    values = rng.random(capacity) ** 2
+    values[rng.random(capacity) < 0.2] = 0.0
+    tree = SumTree(capacity, random_seed=1)
+    tree.set_values(..., values)
+    draws = 200_000
+    idx = np.concatenate([tree.sample(batch_size) for _ in range(draws // batch_size)])
+    assert idx.shape == (draws // batch_size * batch_size,)
+    assert (values[idx] > 0).all()
+    freq = np.bincount(idx, minlength=capacity) / idx.size
+    tv = 0.5 * np.abs(freq - values / values.sum()).sum()
+    assert tv < 0.01
+
+
+def test_seeded_sampling_is_reproducible():
+    def make(seed):
+        tree = SumTree(50, random_seed=seed)
+        tree.set_values(..., np.arange(50.0))
+        return tree
+
+    a, b = make(7), make(7)
+    np.testing.assert_array_equal(a.sample(100), b.sample(100))
+    assert not np.array_equal(make(7).sample(100), make(8).sample(100))
+    # setting the seed restarts the stream
+    first = make(7).sample(20)
+    a.random_seed = 7
+    assert a.random_seed == 7
+    np.testing.assert_array_equal(a.sample(20), first)
+
+
+def test_numba_and_numpy_paths_agree(monkeypatch):
+    rng = np.random.default_rng(11)
+    trees = {}
+    for use_numba in [True, False]:
+        monkeypatch.setattr(_segment_tree, "_USE_NUMBA", use_numba)
+        tree = SumTree(777, random_seed=5)
+        tree.set_values(..., rng.random(777) * 0 + 1.0)
+        local = np.random.default_rng(12)
+        for _ in range(50):
+            idx = tree.sample(64)
+            tree.set_values(idx, local.random(64))
+        trees[use_numba] = tree
+    np.testing.assert_array_equal(trees[True]._arr, trees[False]._arr)
+
+
+def test_no_drift_after_a_million_updates():
+    rng = np.random.default_rng(0)
+    capacity = 1 << 14
+    tree = SumTree(capacity, random_seed=0)
+    tree.set_values(..., rng.random(capacity) * 1e3)
+    for _ in range(1000):  # 1000 PER steps of 1024 updates: over a million writes
+        idx = tree.sample(1024)
+        tree.set_values(idx, rng.random(1024) * rng.choice([1e-6, 1.0, 1e6]))
+    # the root is recomputed from the leaves, so it agrees to float64 rounding
+    assert tree.root_value == pytest.approx(tree.values.sum(), rel=1e-12)
+    assert tree.root_value == pytest.approx(np.sum(np.sort(tree.values)), rel=1e-12)
+
+
+def test_pickle_round_trip_keeps_values_and_rng_stream():
+    tree = SumTree(10, random_seed=3)
+    tree.set_values(..., np.arange(10.0))
+    clone = pickle.loads(pickle.dumps(tree))
+    np.testing.assert_array_equal(clone.values, tree.values)
+    np.testing.assert_array_equal(clone.sample(50), tree.sample(50))
+    clone.set_values(0, 5.0)
+    assert tree[-1, 0] == 0.0
