@@ -18,6 +18,8 @@ logger = logging.getLogger("coax_utils.generate_gif")
 
 #: episodes with a step budget above this report progress by default
 _PROGRESS_MIN_STEPS = 1000
+#: largest per-channel error accepted when mapping a frame onto the shared palette
+_TOLERANCE = 40
 
 
 def _frame(env: Any, what: str) -> np.ndarray:
@@ -36,6 +38,35 @@ def _frame(env: Any, what: str) -> np.ndarray:
             f"(height, width, 3)), but {what} it returned {got}"
         )
     return arr
+
+
+class _Quantizer:
+    """Map RGB frames to a shared 256-colour palette, recomputing it only when needed.
+
+    The palette comes from the first frame. Each later frame is mapped onto it (a cheap
+    nearest-colour lookup); only when some pixel then ends up more than
+    ``_TOLERANCE`` away from its colour in a channel (a colour the palette lacks), that frame
+    is quantized from scratch and its palette becomes the shared one.
+    """
+
+    def __init__(self) -> None:
+        self._palette: Image.Image | None = None
+        self._colours = np.zeros((0, 3), np.uint8)
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        if self._palette is not None:
+            q = img.quantize(palette=self._palette, dither=Image.Dither.NONE)
+            arr = np.asarray(img)
+            approx = self._colours[np.asarray(q)]
+            if np.array_equal(approx, arr):
+                return q
+            if np.abs(approx.astype(np.int16) - arr).max() <= _TOLERANCE:
+                return q
+        q = img.quantize(256, method=Image.Quantize.MEDIANCUT)
+        self._palette = q
+        colours = np.asarray(q.getpalette(), np.uint8).reshape(-1, 3)
+        self._colours = np.concatenate([colours, np.zeros((256 - len(colours), 3), np.uint8)])
+        return q
 
 
 class _Progress:
@@ -81,9 +112,10 @@ def generate_gif(
 
     Runs one episode: the frame after ``env.reset()`` plus one frame after every step, until
     the episode terminates or is truncated, or after ``max_episode_steps`` steps. Frames are
-    quantized once each, against a single 256-colour palette computed from the first frame
-    (rendered envs draw from a fixed set of colours; colours that only appear later are
-    mapped to their nearest palette colour). Folders in ``filepath`` are created.
+    mapped onto a shared 256-colour palette, computed from the first frame and recomputed
+    only from a frame with colours the palette lacks (more than 40 off in a channel), so
+    that the colours of rendered envs stay exact while most frames cost one palette lookup
+    instead of a full quantization. Folders in ``filepath`` are created.
 
     Parameters
     ----------
@@ -146,17 +178,13 @@ def generate_gif(
     if progress is None:
         progress = max_episode_steps > _PROGRESS_MIN_STEPS
 
-    palette: Image.Image | None = None
+    quantize = _Quantizer()
 
     def to_image(arr: np.ndarray) -> Image.Image:
-        nonlocal palette
         img = Image.fromarray(arr).convert("RGB")
         if resize_to is not None and img.size != resize_to:
             img = img.resize(resize_to)
-        if palette is None:
-            palette = img.quantize(256, method=Image.Quantize.MEDIANCUT)
-            return palette
-        return img.quantize(palette=palette, dither=Image.Dither.NONE)
+        return quantize(img)
 
     s, _ = env.reset()
     frames = [to_image(_frame(env, "after reset"))]
