@@ -1,0 +1,275 @@
+"""Env helpers of coax_utils.utils: wrapper attributes, sampling, preprocessors, dummy
+transitions, render_episode and make_dmc (really stepping and rendering a dm_control task)."""
+
+import os
+import sys
+
+import gymnasium
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coax_utils import utils
+from coax_utils.replay import TransitionBatch
+
+gs = gymnasium.spaces
+
+
+class Inner(gymnasium.Env):
+    observation_space = gs.Discrete(3)
+    action_space = gs.Discrete(2)
+    inner_only = "inner"
+    shared = "inner"
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return 0, {}
+
+    def step(self, action):
+        return 0, 0.0, True, False, {}
+
+
+class Tagged(gymnasium.Wrapper):
+    shared = "outer"
+
+
+# -- get_env_attr / has_env_attr ---------------------------------------------------------
+
+
+def test_env_attr_walks_wrappers_from_the_outside_in():
+    env = gymnasium.wrappers.TimeLimit(Tagged(gymnasium.wrappers.OrderEnforcing(Inner())), 5)
+    assert utils.has_env_attr(env, "inner_only")
+    assert utils.get_env_attr(env, "inner_only") == "inner"
+    assert utils.get_env_attr(env, "shared") == "outer"  # the outermost one wins
+    assert utils.get_env_attr(env, "_max_episode_steps") == 5
+    assert not utils.has_env_attr(env, "inner_only", max_depth=3)  # Inner is 4 levels down
+    assert utils.get_env_attr(env, "inner_only", default=None, max_depth=3) is None
+    assert utils.has_env_attr(env, "inner_only", max_depth=4)
+
+
+def test_get_env_attr_missing_raises_attribute_error_unless_default():
+    env = gymnasium.make("CartPole-v1")
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        utils.get_env_attr(env, "no_such_attribute")
+    assert utils.get_env_attr(env, "no_such_attribute", default=0) == 0
+    assert utils.get_env_attr(env, "tau") == pytest.approx(0.02)  # CartPole's own attribute
+    with pytest.raises(ValueError, match="max_depth"):
+        utils.has_env_attr(env, "tau", max_depth=0)
+
+
+# -- safe_sample ---------------------------------------------------------------------------
+
+SPACES = [
+    gs.Box(-1.0, 1.0, (3,), np.float32),
+    gs.Box(5.0, 10.0, (2,), np.float64),
+    gs.Box(-np.inf, np.inf, (4,), np.float32),
+    gs.Box(np.array([0.0, -np.inf], np.float32), np.array([np.inf, 2.0], np.float32)),
+    gs.Box(-1e30, 1e30, (3,), np.float32),
+    gs.Box(0, 255, (2, 2, 3), np.uint8),
+    gs.Discrete(4, start=-2),
+    gs.MultiDiscrete([[3, 2], [5, 1]], start=[[0, 1], [2, -3]]),
+    gs.MultiBinary([2, 3]),
+    gs.Tuple([gs.Discrete(2), gs.Box(0.0, 1.0, (1,), np.float32)]),
+    gs.Dict({"b": gs.Discrete(2), "a": gs.MultiBinary(2)}),
+    gs.Text(4),
+]
+
+
+@pytest.mark.parametrize("space", SPACES, ids=repr)
+def test_safe_sample_returns_members_reproducibly(space):
+    rng_state = space.np_random.bit_generator.state
+    xs = [utils.safe_sample(space, seed=s) for s in range(30)]
+    for x in xs:
+        assert space.contains(x), x
+    again = utils.safe_sample(space, seed=3)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, again, xs[3])
+    assert space.np_random.bit_generator.state == rng_state  # the space's RNG is untouched
+    if isinstance(space, gs.Box) and np.issubdtype(space.dtype, np.floating):
+        assert np.abs(np.stack(xs)).max() < 50  # no huge numbers, even for unbounded boxes
+
+
+def test_safe_sample_covers_discrete_ranges():
+    space = gs.Discrete(4, start=-2)
+    assert {int(utils.safe_sample(space, s)) for s in range(100)} == {-2, -1, 0, 1}
+    with pytest.raises(TypeError, match="gymnasium.Space"):
+        utils.safe_sample([1, 2])
+    with pytest.raises(TypeError, match="seed"):
+        utils.safe_sample(space, seed="x")
+
+
+# -- default_preprocessor / check_preprocessors ---------------------------------------------
+
+
+def test_default_preprocessor_per_space_kind():
+    key = jax.random.key(0)
+    box = utils.default_preprocessor(gs.Box(-1.0, 1.0, (2,), np.float32))
+    np.testing.assert_array_equal(box(key, [0.5, 3.0]), [[0.5, 1.0]])  # batch axis, clipped
+    assert box(key, np.zeros((5, 2))).shape == (5, 2)
+
+    disc = utils.default_preprocessor(gs.Discrete(3, start=1))
+    np.testing.assert_array_equal(disc(key, 3), [[0, 0, 1]])
+    np.testing.assert_array_equal(disc(key, jnp.array([1, 2])), [[1, 0, 0], [0, 1, 0]])
+
+    md = utils.default_preprocessor(gs.MultiDiscrete([2, 3]))
+    out = md(key, np.array([1, 2]))
+    assert isinstance(out, list) and len(out) == 2
+    np.testing.assert_array_equal(out[0], [[0, 1]])
+    np.testing.assert_array_equal(out[1], [[0, 0, 1]])
+
+    mb = utils.default_preprocessor(gs.MultiBinary(3))
+    y = mb(key, np.array([1, 0, 1], np.int8))
+    assert y.dtype == jnp.float32 and y.shape == (1, 3)
+
+    dct = utils.default_preprocessor(
+        gs.Dict({"d": gs.Discrete(2), "t": gs.Tuple([gs.MultiBinary(1)])})
+    )
+    y = jax.jit(dct)(key, {"d": 1, "t": (np.array([1], np.int8),)})
+    np.testing.assert_array_equal(y["d"], [[0, 1]])
+    np.testing.assert_array_equal(y["t"][0], [[1.0]])
+
+    with pytest.raises(TypeError, match="Text"):
+        utils.default_preprocessor(gs.Text(3))
+
+
+def test_check_preprocessors():
+    space = gs.Box(-2.0, 2.0, (3,), np.float32)
+    f = utils.default_preprocessor(space)
+    same = lambda rng, x: jnp.clip(jnp.asarray(x, jnp.float32)[None], -2.0, 2.0)  # noqa: E731
+    scaled = lambda rng, x: 1.01 * f(rng, x)  # noqa: E731
+    nested = lambda rng, x: (f(rng, x),)  # noqa: E731
+    assert utils.check_preprocessors(space, f, same, random_seed=1)
+    assert utils.check_preprocessors(space, f, same, f, num_samples=3)
+    assert not utils.check_preprocessors(space, f, scaled, random_seed=1)
+    assert not utils.check_preprocessors(space, f, nested, random_seed=1)
+    with pytest.raises(ValueError, match="at least two"):
+        utils.check_preprocessors(space, f)
+    with pytest.raises(ValueError, match="num_samples"):
+        utils.check_preprocessors(space, f, same, num_samples=0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 6), start=st.integers(-5, 5), seed=st.integers(0, 1000))
+def test_discrete_preprocessor_is_one_hot_of_the_offset(n, start, seed):
+    space = gs.Discrete(n, start=start)
+    x = utils.safe_sample(space, seed)
+    y = np.asarray(utils.default_preprocessor(space)(jax.random.key(0), x))
+    assert y.shape == (1, n) and y.sum() == 1 and y[0, int(x) - start] == 1
+
+
+# -- get_transition_batch ------------------------------------------------------------------
+
+
+def test_get_transition_batch():
+    env = gymnasium.make("CartPole-v1")
+    tb = utils.get_transition_batch(env, batch_size=7, gamma=0.8, random_seed=13)
+    assert isinstance(tb, TransitionBatch) and tb.batch_size == 7
+    assert tb.S.shape == tb.S_next.shape == (7, 4)
+    assert tb.A.shape == tb.A_next.shape == (7,)
+    for s in tb.S:
+        assert env.observation_space.contains(s)
+    for a in tb.A:
+        assert env.action_space.contains(a)
+    assert set(np.unique(tb.In)) <= {np.float32(0.0), np.float32(0.8)}
+    assert np.all(tb.logP <= 0) and np.all(tb.W > 0)
+    again = utils.get_transition_batch(env, batch_size=7, gamma=0.8, random_seed=13)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, again, tb)
+    # pytree leaves have a batch axis: jax transformations apply
+    assert jax.tree_util.tree_map(lambda x: x.shape[0], tb).Rn == 7
+
+
+def test_get_transition_batch_with_nested_spaces_and_bad_arguments():
+    env = Inner()
+    env.observation_space = gs.Dict({"pos": gs.Box(-1.0, 1.0, (2,)), "k": gs.Discrete(3)})
+    tb = utils.get_transition_batch(env, batch_size=3, random_seed=0)
+    assert tb.S["pos"].shape == (3, 2) and tb.S["k"].shape == (3,)
+    with pytest.raises(ValueError, match="batch_size"):
+        utils.get_transition_batch(env, batch_size=0)
+    with pytest.raises(TypeError, match="batch_size"):
+        utils.get_transition_batch(env, batch_size=2.0)
+    with pytest.raises(ValueError, match="gamma"):
+        utils.get_transition_batch(env, gamma=1.5)
+
+
+# -- render_episode ------------------------------------------------------------------------
+
+
+class Counting(gymnasium.Env):
+    observation_space = gs.Discrete(10)
+    action_space = gs.Discrete(3)
+
+    def __init__(self):
+        self.renders = 0
+        self.actions = []
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.t, {}
+
+    def step(self, action):
+        self.actions.append(int(action))
+        self.t += 1
+        return self.t, float(action), self.t >= 4, False, {}
+
+    def render(self):
+        self.renders += 1
+
+
+def test_render_episode_renders_every_step():
+    env = Counting()
+    total = utils.render_episode(env, policy=lambda s: 2)
+    assert env.actions == [2, 2, 2, 2] and env.renders == 5 and total == 8.0
+    env = Counting()
+    utils.render_episode(env, step_delay_ms=1)
+    assert len(env.actions) == 4 and env.renders == 5
+    with pytest.raises(ValueError, match="step_delay_ms"):
+        utils.render_episode(Counting(), step_delay_ms=-1)
+
+
+# -- make_dmc ------------------------------------------------------------------------------
+
+
+def test_make_dmc_steps_and_renders_a_real_task():
+    env = utils.make_dmc("cartpole", "swingup", seed=1, max_episode_steps=4, height=24, width=32)
+    assert os.environ.get("MUJOCO_GL")
+    obs, _ = env.reset(seed=3)
+    assert obs.dtype == np.float32 and obs.shape == env.observation_space.shape == (5,)
+    assert env.action_space == gs.Box(-1.0, 1.0, (1,), np.float32)
+    frame = env.render()
+    assert frame.shape == (24, 32, 3) and frame.dtype == np.uint8 and frame.std() > 0
+    steps = []
+    for _ in range(4):
+        obs, reward, terminated, truncated, _ = env.step(np.array([1.0], np.float32))
+        steps.append((obs, reward, terminated, truncated))
+    assert [s[3] for s in steps] == [False, False, False, True]  # the TimeLimit
+    assert not any(s[2] for s in steps)
+    assert not np.array_equal(steps[0][0], steps[-1][0])  # the cart moved
+    assert 0.0 <= steps[-1][1] <= 1.0
+    # a seeded reset is reproducible
+    np.testing.assert_array_equal(env.reset(seed=3)[0], obs0 := env.reset(seed=3)[0])
+    assert not np.array_equal(obs0, env.reset(seed=4)[0])
+    env.close()
+
+
+def test_make_dmc_frames_make_a_gif(tmp_path):
+    env = utils.make_dmc("cartpole", "balance", max_episode_steps=3, height=16, width=16)
+    utils.generate_gif(env, tmp_path / "dmc.gif", duration=10)
+    from PIL import Image
+
+    with Image.open(tmp_path / "dmc.gif") as im:
+        assert im.size == (16, 16)
+
+
+def test_make_dmc_errors(monkeypatch):
+    with pytest.raises(ValueError, match="unknown DeepMind Control task"):
+        utils.make_dmc("cartpole", "fly")
+    with pytest.raises(ValueError, match="height"):
+        utils.make_dmc("cartpole", "swingup", height=0)
+    for name in [m for m in sys.modules if m == "dm_control" or m.startswith("dm_control.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "dm_control", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"pip install coax_utils\[dmc\]"):
+        utils.make_dmc("cartpole", "swingup")
