@@ -56,7 +56,17 @@ from coax_utils.utils._segment_tree_fn import sum_tree_sample
 from coax_utils.utils._segment_tree_fn import sum_tree_set
 from coax_utils.utils._segment_tree_fn import sum_tree_total
 from coax_utils.utils._segment_tree_fn import sum_tree_values
+from coax_utils.utils._noise import OUNoiseState
+from coax_utils.utils._noise import OrnsteinUhlenbeckNoise
+from coax_utils.utils._noise import ou_noise_init
+from coax_utils.utils._noise import ou_noise_reset
+from coax_utils.utils._noise import ou_noise_step
+from coax_utils.utils._schedules import StepwiseLinearFunction
 # -- checkpoints ---------------------------------------------------------------------------
+from coax_utils.utils._checkpoint import dump
+from coax_utils.utils._checkpoint import dumps
+from coax_utils.utils._checkpoint import load
+from coax_utils.utils._checkpoint import loads
 # -- environments and GIFs -----------------------------------------------------------------
 from coax_utils.utils._envs import check_preprocessors
 from coax_utils.utils._envs import default_preprocessor
@@ -71,7 +81,10 @@ from coax_utils.utils._gif import generate_gif
 __all__ = [
     "MaxTree",
     "MinTree",
+    "OUNoiseState",
+    "OrnsteinUhlenbeckNoise",
     "SegmentTree",
+    "StepwiseLinearFunction",
     "SumTree",
     "SumTreeState",
     "argmax",
@@ -85,6 +98,8 @@ __all__ = [
     "diff_transform_matrix",
     "docstring",
     "double_relu",
+    "dump",
+    "dumps",
     "enable_logging",
     "generate_gif",
     "get_env_attr",
@@ -101,8 +116,13 @@ __all__ = [
     "is_vfunction",
     "isscalar",
     "jit",
+    "load",
+    "loads",
     "make_dmc",
     "merge_dicts",
+    "ou_noise_init",
+    "ou_noise_reset",
+    "ou_noise_step",
     "pretty_print",
     "pretty_repr",
     "quantile_cos_embedding",

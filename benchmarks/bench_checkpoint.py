@@ -1,0 +1,223 @@
+"""Checkpoint speed: coax_utils.utils.dump(s)/load(s) against coax's functions, in one run.
+
+The object is an agent-like checkpoint: Haiku-style params (jax float32), an optax adam state
+(mu, nu) over them, and a replay block of redundant uint8 frames plus random float columns.
+Variants, timed round robin (A B C A B C ...) after a warm-up:
+
+- ``coax``: coax's own ``dumps``/``loads`` (``lz4.frame.compress(cloudpickle.dumps(obj))``)
+  and ``dump``/``load`` (an ``lz4.frame`` file of the same pickle), loaded from coax's source
+  file.
+- ``coax_utils``: this package (out-of-band array buffers, chunked lz4 on threads, CRC-32;
+  ``dump`` writes a temp file, fsyncs it and renames it, which coax does not do).
+- ``zstd-1 (2 threads)``: coax's expression with zstandard level 1 on 2 threads instead of
+  lz4, to weigh a codec switch.
+
+Run ``python benchmarks/bench_checkpoint.py`` (about 250 MB; a minute or two) or
+``--quick`` (about 25 MB; a few seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+
+import cloudpickle
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import zstandard
+
+from coax_utils import utils
+
+
+def load_coax_misc() -> types.ModuleType:
+    """coax's utils/_misc.py on its own (coax's package __init__ fails on current JAX)."""
+    spec = importlib.util.find_spec("coax")
+    path = os.path.join(spec.submodule_search_locations[0], "utils", "_misc.py")
+    # _misc.py imports pandas for a helper unrelated to checkpoints; pandas is not installed.
+    sys.modules.setdefault("pandas", types.ModuleType("pandas"))
+    mspec = importlib.util.spec_from_file_location("coax_utils_bench_coax_misc", path)
+    module = importlib.util.module_from_spec(mspec)
+    mspec.loader.exec_module(module)
+    return module
+
+
+def make_checkpoint(scale: float, seed: int = 0) -> dict:
+    """An agent-like checkpoint of about ``250 * scale`` MB."""
+    rng = np.random.default_rng(seed)
+    # params: 20 MB of float32 in a Haiku-style nested dict (a few big layers, small biases)
+    n_params = int(5_000_000 * scale)
+    sizes = [
+        n_params // 2,
+        n_params // 4,
+        n_params // 8,
+        n_params - n_params // 2 - n_params // 4 - n_params // 8,
+    ]
+    params = {
+        f"mlp/~/linear_{i}": {
+            "w": jnp.asarray(rng.standard_normal(n, dtype=np.float32) * 0.05),
+            "b": jnp.asarray(rng.standard_normal(256, dtype=np.float32) * 0.01),
+        }
+        for i, n in enumerate(sizes)
+    }
+    opt = optax.adam(1e-3)
+    opt_state = opt.init(params)
+    grads = jax.tree_util.tree_map(
+        lambda p: jnp.asarray(rng.standard_normal(p.shape, dtype=np.float32)), params
+    )
+    _, opt_state = opt.update(grads, opt_state, params)  # mu and nu hold real (random) values
+    # replay block: 84x84 uint8 frames (frame-stacked, so each frame appears 4 times), with
+    # a static background and noisy sprites; plus random float columns
+    n_frames = int(5300 * scale)
+    background = np.repeat(np.repeat(rng.integers(0, 255, (7, 7), dtype=np.uint8), 12, 0), 12, 1)
+    frames = np.empty((n_frames + 3, 84, 84), np.uint8)
+    frames[:] = background
+    for t in range(n_frames + 3):
+        r, c = (t * 3) % 38, (t * 7) % 38
+        frames[t, r : r + 46, c : c + 46] = rng.integers(0, 255, (46, 46), dtype=np.uint8)
+    stacked = np.stack([frames[i : i + n_frames] for i in range(4)], axis=-1)
+    replay = {
+        "S": stacked,
+        "A": rng.integers(0, 6, n_frames).astype(np.int32),
+        "Rn": rng.standard_normal(n_frames).astype(np.float32),
+        "logP": rng.standard_normal(n_frames).astype(np.float32),
+        "features": rng.standard_normal((n_frames, 2048)).astype(np.float32),
+        "priorities": rng.random(n_frames),
+    }
+    return {"params": params, "opt_state": opt_state, "replay": replay, "step": 12345}
+
+
+def nbytes(tree) -> int:
+    return sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype"))
+
+
+def assert_same(a, b) -> None:
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb, (ta, tb)
+    for x, y in zip(la, lb):
+        assert type(x) is type(y) or (isinstance(x, jax.Array) and isinstance(y, jax.Array))
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+
+
+def zstd_dumps(obj) -> bytes:
+    return zstandard.ZstdCompressor(level=1, threads=2).compress(cloudpickle.dumps(obj))
+
+
+def zstd_loads(s: bytes):
+    return cloudpickle.loads(zstandard.ZstdDecompressor().decompress(s))
+
+
+def zstd_dump(obj, path) -> None:
+    with open(path, "wb") as f:
+        f.write(zstd_dumps(obj))
+
+
+def zstd_load(path):
+    with open(path, "rb") as f:
+        return zstd_loads(f.read())
+
+
+def run(variants: dict, repeats: int) -> dict:
+    """Time each variant (a zero-argument callable) round robin; return lists of seconds."""
+    times = {name: [] for name in variants}
+    for fn in variants.values():  # warm-up
+        fn()
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def report(title: str, times: dict, size: int, sizes: dict, peer: str) -> list[str]:
+    lines = [
+        title,
+        f"{'variant':<22}{'median MB/s':>12}{'min-max MB/s':>18}{'ratio':>8}{'vs coax':>9}",
+    ]
+    peer_median = statistics.median(times[peer])
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        lo, hi = size / max(ts) / 1e6, size / min(ts) / 1e6
+        lines.append(
+            f"{name:<22}{size / med / 1e6:>12.0f}{f'{lo:.0f}-{hi:.0f}':>18}"
+            f"{size / sizes[name]:>8.2f}{peer_median / med:>8.2f}x"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small object, few repeats")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--dir", default=None, help="folder for the on-disk runs (default: a temp dir)"
+    )
+    args = parser.parse_args()
+    scale = 0.1 if args.quick else 1.0
+    repeats = args.repeats or (3 if args.quick else 7)
+    coax = load_coax_misc()
+
+    obj = make_checkpoint(scale)
+    size = nbytes(obj)
+    print(f"checkpoint: {size / 1e6:.0f} MB of arrays, {os.cpu_count()} CPUs, repeats={repeats}")
+
+    blobs = {
+        "coax": coax.dumps(obj),
+        "coax_utils": utils.dumps(obj),
+        "zstd-1 (2 threads)": zstd_dumps(obj),
+    }
+    sizes = {k: len(v) for k, v in blobs.items()}
+    assert_same(coax.loads(blobs["coax"]), obj)
+    assert_same(utils.loads(blobs["coax_utils"]), obj)
+    assert_same(utils.loads(blobs["coax_utils"], safe=True), obj)
+    assert_same(zstd_loads(blobs["zstd-1 (2 threads)"]), obj)
+    assert_same(utils.loads(blobs["coax"]), obj)  # legacy files load too
+
+    out = []
+    t = run(
+        {
+            "coax": lambda: coax.dumps(obj),
+            "coax_utils": lambda: utils.dumps(obj),
+            "zstd-1 (2 threads)": lambda: zstd_dumps(obj),
+        },
+        repeats,
+    )
+    out += report("dumps (in memory)", t, size, sizes, "coax") + [""]
+    t = run(
+        {
+            "coax": lambda: coax.loads(blobs["coax"]),
+            "coax_utils": lambda: utils.loads(blobs["coax_utils"]),
+            "zstd-1 (2 threads)": lambda: zstd_loads(blobs["zstd-1 (2 threads)"]),
+        },
+        repeats,
+    )
+    out += report("loads (in memory)", t, size, sizes, "coax") + [""]
+
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        paths = {k: os.path.join(d, k.split()[0] + ".ckpt") for k in blobs}
+        writers = {"coax": coax.dump, "coax_utils": utils.dump, "zstd-1 (2 threads)": zstd_dump}
+        readers = {"coax": coax.load, "coax_utils": utils.load, "zstd-1 (2 threads)": zstd_load}
+        t = run({k: (lambda k=k: writers[k](obj, paths[k])) for k in blobs}, repeats)
+        disk_sizes = {k: os.path.getsize(p) for k, p in paths.items()}
+        out += report(
+            f"dump (file in {d}; coax_utils also fsyncs)", t, size, disk_sizes, "coax"
+        ) + [""]
+        for k in blobs:
+            assert_same(readers[k](paths[k]), obj)
+        t = run({k: (lambda k=k: readers[k](paths[k])) for k in blobs}, repeats)
+        out += report("load (file, page cache warm)", t, size, disk_sizes, "coax")
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
