@@ -44,6 +44,12 @@ from coax_utils.utils._protocols import is_stochastic
 from coax_utils.utils._protocols import is_transition_model
 from coax_utils.utils._protocols import is_vfunction
 # -- segment trees, noise, schedules --------------------------------------------------------
+from coax_utils.utils._noise import OUNoiseState
+from coax_utils.utils._noise import OrnsteinUhlenbeckNoise
+from coax_utils.utils._noise import ou_noise_init
+from coax_utils.utils._noise import ou_noise_reset
+from coax_utils.utils._noise import ou_noise_step
+from coax_utils.utils._schedules import StepwiseLinearFunction
 from coax_utils.utils._segment_tree import MaxTree
 from coax_utils.utils._segment_tree import MinTree
 from coax_utils.utils._segment_tree import SegmentTree
@@ -56,12 +62,6 @@ from coax_utils.utils._segment_tree_fn import sum_tree_sample
 from coax_utils.utils._segment_tree_fn import sum_tree_set
 from coax_utils.utils._segment_tree_fn import sum_tree_total
 from coax_utils.utils._segment_tree_fn import sum_tree_values
-from coax_utils.utils._noise import OUNoiseState
-from coax_utils.utils._noise import OrnsteinUhlenbeckNoise
-from coax_utils.utils._noise import ou_noise_init
-from coax_utils.utils._noise import ou_noise_reset
-from coax_utils.utils._noise import ou_noise_step
-from coax_utils.utils._schedules import StepwiseLinearFunction
 # -- checkpoints ---------------------------------------------------------------------------
 from coax_utils.utils._checkpoint import dump
 from coax_utils.utils._checkpoint import dumps

@@ -1,0 +1,147 @@
+"""Tests of the Ornstein-Uhlenbeck noise: host object and pure jittable form."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coax_utils.utils import (
+    OrnsteinUhlenbeckNoise,
+    OUNoiseState,
+    ou_noise_init,
+    ou_noise_reset,
+    ou_noise_step,
+)
+
+
+def test_host_follows_the_recursion_with_its_own_white_noise():
+    mu = np.array([0.0, 1.0, -1.0])
+    sigma, theta = 0.3, 0.2
+    noise = OrnsteinUhlenbeckNoise(mu=mu, sigma=sigma, theta=theta, random_seed=42)
+    rng = np.random.default_rng(42)  # the documented stream: standard normals of the action shape
+    x = mu.copy()
+    for t in range(5):
+        a = np.full(3, float(t))
+        x = x - theta * (x - mu) + sigma * rng.standard_normal(3)
+        np.testing.assert_allclose(noise(a), a + x, rtol=1e-12)
+
+
+def test_host_is_reproducible_and_reset_restarts_from_mu():
+    a = np.zeros((2, 2), np.float32)
+    n1 = OrnsteinUhlenbeckNoise(mu=0.5, random_seed=1)
+    n2 = OrnsteinUhlenbeckNoise(mu=0.5, random_seed=1)
+    out1 = [n1(a) for _ in range(3)]
+    out2 = [n2(a) for _ in range(3)]
+    for x, y in zip(out1, out2):
+        np.testing.assert_array_equal(x, y)
+        assert x.dtype == np.float32 and x.shape == (2, 2)
+    assert not np.array_equal(out1[0], out1[1])
+    n1.reset()
+    # after a reset, X_1 = mu + sigma * eps: no memory of the previous episode
+    eps = np.random.default_rng(1)
+    for _ in range(3):
+        eps.standard_normal((2, 2))
+    expected = 0.5 + eps.standard_normal((2, 2)).astype(np.float32)
+    np.testing.assert_allclose(n1(a), expected, rtol=1e-6)
+
+
+def test_host_clips_the_output_action_not_the_noise():
+    sigma, theta = 5.0, 0.15
+    noise = OrnsteinUhlenbeckNoise(
+        sigma=sigma, theta=theta, min_value=-1.0, max_value=[0.5, 1.0], random_seed=0
+    )
+    rng = np.random.default_rng(0)
+    x = np.zeros(2)
+    for _ in range(50):
+        out = noise(np.zeros(2))
+        x = x - theta * x + sigma * rng.standard_normal(2)  # the unclipped process
+        np.testing.assert_allclose(out, np.clip(x, -1.0, [0.5, 1.0]), rtol=1e-12)
+    assert np.abs(x).max() > 1.0  # clipping was exercised
+
+
+def test_host_broadcasts_parameters_and_integer_actions():
+    noise = OrnsteinUhlenbeckNoise(mu=[0.0, 10.0], sigma=0.0, theta=0.5, random_seed=0)
+    out = noise(np.array([[1, 1], [2, 2]]))
+    assert out.dtype == np.float64
+    np.testing.assert_allclose(out, [[1.0, 11.0], [2.0, 12.0]])
+
+
+def test_host_rejects_shape_change_without_reset():
+    noise = OrnsteinUhlenbeckNoise(random_seed=0)
+    noise(np.zeros(3))
+    with pytest.raises(ValueError, match="reset"):
+        noise(np.zeros(4))
+    noise.reset()
+    assert noise(np.zeros(4)).shape == (4,)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(sigma=-1.0), dict(theta=-0.1), dict(sigma=np.nan), dict(min_value=1.0, max_value=0.0)],
+)
+def test_bad_parameters_raise(kwargs):
+    with pytest.raises(ValueError):
+        OrnsteinUhlenbeckNoise(**kwargs)
+    with pytest.raises(ValueError):
+        ou_noise_init(jnp.zeros(2), **kwargs)
+
+
+def test_stationary_variance_host_and_pure():
+    sigma, theta = 0.4, 0.3
+    expected_var = sigma**2 / (theta * (2 - theta))
+    host = OrnsteinUhlenbeckNoise(sigma=sigma, theta=theta, random_seed=0)
+    xs = np.stack([host(np.zeros(64)) for _ in range(600)])[100:]
+    assert xs.var() == pytest.approx(expected_var, rel=0.1)
+
+    state = ou_noise_init(jnp.zeros(64), sigma=sigma, theta=theta)
+
+    def body(state, key):
+        a, state = ou_noise_step(key, jnp.zeros(64), state)
+        return state, a
+
+    _, ys = jax.lax.scan(body, state, jax.random.split(jax.random.key(0), 600))
+    assert float(jnp.var(ys[100:])) == pytest.approx(expected_var, rel=0.1)
+
+
+def test_pure_step_matches_formula_and_is_jittable_without_retrace():
+    state = ou_noise_init(
+        jnp.zeros(3), mu=jnp.array([0.0, 1.0, 2.0]), sigma=0.5, theta=0.1, max_value=2.5
+    )
+    assert isinstance(state, OUNoiseState)
+    np.testing.assert_array_equal(np.asarray(state.noise), [0.0, 1.0, 2.0])
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(key, action, state):
+        return ou_noise_step(key, action, state)
+
+    x = np.array([0.0, 1.0, 2.0], np.float32)
+    for i in range(4):
+        key = jax.random.key(i)
+        action = jnp.full(3, 0.25 * i)
+        noisy, state = step(key, action, state)
+        eps = np.asarray(jax.random.normal(key, (3,), jnp.float32))
+        x = x - 0.1 * (x - np.array([0.0, 1.0, 2.0])) + 0.5 * eps
+        np.testing.assert_allclose(np.asarray(state.noise), x, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(noisy), np.minimum(0.25 * i + x, 2.5), rtol=1e-5)
+        eager_noisy, _ = ou_noise_step(key, action, jax.tree_util.tree_map(jnp.asarray, state))
+        assert eager_noisy.shape == (3,)
+
+
+def test_pure_reset_and_vmap_over_states():
+    states = jax.vmap(lambda mu: ou_noise_init(jnp.zeros(2), mu=mu, sigma=1.0))(jnp.arange(4.0))
+    keys = jax.random.split(jax.random.key(0), 4)
+    noisy, states = jax.vmap(ou_noise_step)(keys, jnp.zeros((4, 2)), states)
+    assert noisy.shape == (4, 2)
+    assert len(set(np.asarray(noisy[:, 0]).tolist())) == 4  # independent keys per state
+    reset = jax.vmap(ou_noise_reset)(states)
+    np.testing.assert_array_equal(
+        np.asarray(reset.noise), np.repeat(np.arange(4.0), 2).reshape(4, 2)
+    )
+
+
+def test_pure_keeps_dtype():
+    state = ou_noise_init(jnp.zeros(2, jnp.bfloat16))
+    noisy, state = ou_noise_step(jax.random.key(0), jnp.zeros(2, jnp.bfloat16), state)
+    assert noisy.dtype == jnp.bfloat16 and state.noise.dtype == jnp.bfloat16

@@ -1,0 +1,131 @@
+"""Tests of StepwiseLinearFunction on Python numbers, NumPy arrays and traced JAX scalars."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coax_utils.utils import StepwiseLinearFunction
+
+STEPS = ((0, 1.0), (100, 0.1), (300, 0.01))
+
+
+def naive(steps, t):
+    """Oracle: flat outside, linear interpolation between neighbouring steps."""
+    if t <= steps[0][0]:
+        return steps[0][1]
+    for (t0, v0), (t1, v1) in zip(steps, steps[1:]):
+        if t0 <= t <= t1:
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+    return steps[-1][1]
+
+
+def test_python_numbers_give_floats():
+    f = StepwiseLinearFunction(*STEPS)
+    assert f(-10) == 1.0 and isinstance(f(-10), float)
+    assert f(0) == 1.0
+    assert f(50) == pytest.approx(0.55)
+    assert f(100) == pytest.approx(0.1)
+    assert f(200) == pytest.approx(0.055)
+    assert f(300) == 0.01
+    assert f(10**12) == 0.01
+    assert f(np.int64(50)) == pytest.approx(0.55)
+    assert f(50.5) == pytest.approx(1.0 - 0.9 * 50.5 / 100)
+
+
+def test_numpy_arrays():
+    f = StepwiseLinearFunction(*STEPS)
+    t = np.array([-1, 0, 50, 100, 200, 300, 400])
+    np.testing.assert_allclose(f(t), [naive(STEPS, x) for x in t])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    deltas=st.lists(st.integers(1, 1000), min_size=0, max_size=5),
+    values=st.lists(st.floats(-10, 10), min_size=6, max_size=6),
+    t=st.integers(-100, 5000),
+    t0=st.integers(-50, 50),
+)
+def test_matches_naive_oracle(deltas, values, t, t0):
+    ts = list(np.cumsum([t0, *deltas]).tolist())
+    steps = tuple(zip(ts, values))
+    f = StepwiseLinearFunction(*steps)
+    assert f(t) == pytest.approx(naive(steps, t), abs=1e-9)
+    assert float(f(jnp.asarray(t))) == pytest.approx(naive(steps, t), abs=1e-4, rel=1e-5)
+
+
+def test_traced_scalar_under_jit_without_retrace():
+    f = StepwiseLinearFunction(*STEPS)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def g(t):
+        return f(t)
+
+    for t in [0, 50, 150, 1000]:
+        out = g(jnp.int32(t))
+        assert out.dtype == jnp.float32
+        assert float(out) == pytest.approx(naive(STEPS, t), rel=1e-6)
+    grads = jax.grad(lambda t: f(t))(jnp.float32(50.0))
+    assert float(grads) == pytest.approx(-0.9 / 100, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["adam", "scale_by_schedule"])
+def test_as_optax_schedule_inside_jit(kind):
+    lr = StepwiseLinearFunction((0, 0.1), (2, 0.0))
+    if kind == "adam":
+        tx = optax.adam(learning_rate=lr)
+    else:
+        tx = optax.chain(optax.scale_by_schedule(lr), optax.scale(-1.0))
+    params = jnp.array(1.0)
+    state = tx.init(params)
+
+    @jax.jit
+    def update(params, state):
+        updates, state = tx.update(jnp.array(1.0), state, params)
+        return optax.apply_updates(params, updates), state
+
+    history = []
+    for _ in range(4):
+        new_params, state = update(params, state)
+        history.append(float(params - new_params))
+        params = new_params
+    # step sizes follow the schedule 0.1, 0.05, 0, 0 (adam's first steps have |update| = lr)
+    np.testing.assert_allclose(history, [0.1, 0.05, 0.0, 0.0], rtol=1e-3, atol=1e-6)
+
+
+def test_single_step_is_constant():
+    f = StepwiseLinearFunction((10, 0.3))
+    assert f(0) == f(10) == f(99) == 0.3
+    assert float(jax.jit(f)(jnp.int32(5))) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        (),
+        ((10, 1.0), (5, 0.5)),
+        ((0, 1.0), (0, 0.5)),
+        ((0, 1.0), (float("inf"), 0.5)),
+        ((0, float("nan")),),
+    ],
+)
+def test_bad_steps_raise_value_error(steps):
+    with pytest.raises(ValueError):
+        StepwiseLinearFunction(*steps)
+
+
+@pytest.mark.parametrize("steps", [((0, 1.0, 2.0),), (0,), (("a", 1.0),), ((True, 1.0),)])
+def test_malformed_steps_raise_type_error(steps):
+    with pytest.raises(TypeError):
+        StepwiseLinearFunction(*steps)
+
+
+def test_repr_and_steps():
+    f = StepwiseLinearFunction((0, 1), (10, 0))
+    assert f.steps == ((0, 1.0), (10, 0.0))
+    assert "StepwiseLinearFunction" in repr(f)
