@@ -65,7 +65,9 @@ def batch_to_single(pytree: Any, index: int = 0) -> Any:
         shape = np.shape(leaf)
         if len(shape) == 0:
             raise ValueError(f"leaf {_path_str(path)} is 0-d; expected a leading batch axis")
-        if isinstance(index, (int, np.integer)) and not -shape[0] <= index < shape[0]:
+        if not isinstance(index, (int, np.integer)):
+            return jnp.asarray(leaf)[index]  # a traced or array index: index with JAX
+        if not -shape[0] <= index < shape[0]:
             raise IndexError(
                 f"index {index} is out of range for leaf {_path_str(path)} with batch size "
                 f"{shape[0]}"

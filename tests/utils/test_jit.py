@@ -147,10 +147,17 @@ SCRIPT_DUMP = textwrap.dedent(
     def square(x):
         return x * x
 
+    import helper_mod  # an importable module: its functions are stored by reference
+
+    assert pickle.loads(pickle.dumps(helper_mod.cube)) is helper_mod.cube
+    assert len(pickle.dumps(helper_mod.cube)) < 100
+
     items = {
         "shift": utils.jit(shift, static_argnums=1),
         "square": square,
         "closure": utils.jit(lambda x: shift(x, 1) * 2),
+        "cube": helper_mod.cube,
+        "plain": utils.jit(helper_mod.plain, static_argnums=1),
     }
     with open(sys.argv[1], "wb") as fh:
         pickle.dump(items, fh)
@@ -169,7 +176,8 @@ SCRIPT_LOAD = textwrap.dedent(
             items = pickle.load(fh)
         shift, square, closure = items["shift"], items["square"], items["closure"]
         print(path[-3:], shift.__name__, shift.__doc__, float(shift(1.0, 2)),
-              square.__name__, float(square(3.0)), float(closure(1.0)))
+              square.__name__, float(square(3.0)), float(closure(1.0)),
+              float(items["cube"](2.0)), float(items["plain"](2.0, 3)))
     """
 )
 
@@ -178,6 +186,11 @@ def test_pickle_functions_defined_in_main_across_processes(tmp_path):
     dump_script = tmp_path / "dump.py"
     load_script = tmp_path / "load.py"
     dump_script.write_text(SCRIPT_DUMP)
+    (tmp_path / "helper_mod.py").write_text(
+        "from coax_utils import utils\n\n"
+        "@utils.jit\ndef cube(x):\n    return x ** 3\n\n"
+        "def plain(x, n):\n    return x * n\n"
+    )
     load_script.write_text(SCRIPT_LOAD)
     p1, p2 = tmp_path / "plain.pkl", tmp_path / "cloud.pkl"
     subprocess.run([sys.executable, str(dump_script), str(p1), str(p2)], check=True, cwd=tmp_path)
@@ -190,5 +203,5 @@ def test_pickle_functions_defined_in_main_across_processes(tmp_path):
         cwd=tmp_path,
     )
     lines = out.stdout.strip().splitlines()
-    expected = "shift Shift by a global offset, n times. 21.0 square 9.0 22.0"
+    expected = "shift Shift by a global offset, n times. 21.0 square 9.0 22.0 8.0 6.0"
     assert lines == [f"pkl {expected}", f"pkl {expected}"], out.stdout + out.stderr

@@ -86,6 +86,9 @@ def test_pytree_helpers_under_jit():
         assert_trees_equal(t, b)
     idx = jnp.array(2)  # a traced index
     assert_trees_equal(jax.jit(utils.batch_to_single)(stacked, idx), trees[2])
+    numpy_batch = {"a": np.arange(6).reshape(3, 2)}  # NumPy leaves closed over, traced index
+    out = jax.jit(lambda i: utils.batch_to_single(numpy_batch, i))(idx)
+    np.testing.assert_array_equal(out["a"], [4, 5])
     assert_trees_equal(jax.jit(utils.single_to_batch)(trees[0]), utils.single_to_batch(trees[0]))
     np.testing.assert_array_equal(jax.jit(utils.tree_ravel)(trees[1]), [1.0, 1.0, 1.0])
 
