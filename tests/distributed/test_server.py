@@ -2,6 +2,7 @@
 
 import collections
 import copy
+import pathlib
 
 import numpy as np
 import pytest
@@ -145,7 +146,7 @@ def test_restore_rejects_bad_files_and_keeps_the_buffer(ray_cluster, tmp_path):
     server = ReplayServer.remote(_filled(SimpleReplayBuffer(capacity=100, random_seed=0)))
     good = ray.get(server.save.remote(tmp_path / "good.lz4"))
     corrupt = tmp_path / "corrupt.lz4"
-    corrupt.write_bytes(open(good, "rb").read()[:-20])
+    corrupt.write_bytes(pathlib.Path(good).read_bytes()[:-20])
     with pytest.raises(ValueError, match="corrupt"):
         ray.get(server.restore.remote(corrupt))
     not_a_buffer = tmp_path / "dict.lz4"
