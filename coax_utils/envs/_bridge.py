@@ -49,12 +49,70 @@ class GymnasiumParams:
     """
 
 
+class _Packer:
+    """Carry a fixed list of arrays as one uint8 buffer across a host callback.
+
+    Leaves are laid out back to back in their (JAX) dtypes' native byte order; booleans take
+    one byte each. Both sides run on the same machine, so the byte order agrees.
+    """
+
+    def __init__(self, specs: Any) -> None:
+        self.specs = [jax.ShapeDtypeStruct(tuple(s.shape), np.dtype(s.dtype)) for s in specs]
+        sizes = [int(np.prod(s.shape)) * s.dtype.itemsize for s in self.specs]
+        self.offsets = [int(o) for o in np.cumsum([0, *sizes])]
+        self.spec = jax.ShapeDtypeStruct((self.offsets[-1],), jnp.uint8)
+        # the same layout as a packed numpy record, for the host side
+        self.names = [f"f{i}" for i in range(len(self.specs))]
+        self.record = np.dtype(
+            {
+                "names": self.names,
+                "formats": [(s.dtype, s.shape) for s in self.specs],
+                "offsets": self.offsets[:-1],
+                "itemsize": self.offsets[-1],
+            }
+        )
+
+    def pack_jax(self, leaves: list) -> jax.Array:
+        parts = []
+        for x, s in zip(leaves, self.specs):
+            x = jnp.asarray(x, s.dtype)
+            if s.dtype == np.bool_:
+                x = x.astype(jnp.uint8)
+            parts.append(jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1))
+        return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+
+    def unpack_jax(self, buf: jax.Array) -> list[jax.Array]:
+        out = []
+        for s, a, b in zip(self.specs, self.offsets[:-1], self.offsets[1:]):
+            chunk = buf[a:b]
+            if s.dtype == np.bool_:
+                x = chunk != 0
+            elif s.dtype.itemsize == 1:
+                x = jax.lax.bitcast_convert_type(chunk, s.dtype)
+            else:
+                x = jax.lax.bitcast_convert_type(chunk.reshape(-1, s.dtype.itemsize), s.dtype)
+            out.append(x.reshape(s.shape))
+        return out
+
+    def pack_np(self, leaves: list) -> np.ndarray:
+        rec = np.empty((1,), self.record)
+        for name, x in zip(self.names, leaves):
+            rec[0][name] = x
+        return rec.view(np.uint8)
+
+    def unpack_np(self, buf: Any) -> list[np.ndarray]:
+        rec = np.asarray(buf).view(self.record)[0]
+        return [rec[name] for name in self.names]
+
+
 def _cast_action(space: gymnasium.Space, x: Any) -> Any:
     """Convert a host copy of a JAX action to what the gymnasium ``space`` expects."""
     if isinstance(space, gymnasium.spaces.Tuple):
         return tuple(_cast_action(s, xi) for s, xi in zip(space.spaces, x))
     if isinstance(space, gymnasium.spaces.Dict):
         return {k: _cast_action(s, x[k]) for k, s in space.spaces.items()}
+    if isinstance(space, gymnasium.spaces.Discrete):
+        return int(x)
     arr = np.asarray(x, dtype=space.dtype)
     return arr[()] if arr.ndim == 0 else arr
 
@@ -192,11 +250,15 @@ class GymnasiumToJax:
         self._episode_over = False
 
         self._call_reset = self._no_vmap(self._io(self._host_reset, self._reset_result), "reset")
+        # a step moves one uint8 buffer each way: every extra callback operand or result
+        # costs a host transfer, and that overhead dominates cheap envs
+        self._step_in = _Packer([jax.ShapeDtypeStruct((), jnp.uint32), *self._act_leaf_specs])
+        self._step_out = _Packer(self._step_result)
         self._call_step = self._no_vmap(
-            self._io(functools.partial(self._host_step, True), self._step_result), "step"
+            self._io(functools.partial(self._host_step, True), self._step_out.spec), "step"
         )
         self._call_step_env = self._no_vmap(
-            self._io(functools.partial(self._host_step, False), self._step_result), "step_env"
+            self._io(functools.partial(self._host_step, False), self._step_out.spec), "step_env"
         )
 
     # -- the gymnax API --------------------------------------------------------------------
@@ -278,7 +340,7 @@ class GymnasiumToJax:
     def _step(self, call: Callable, state: GymnasiumState, action: Any) -> tuple:
         counter = jnp.asarray(state.counter, jnp.uint32)
         leaves = self._action_leaves(action)
-        out = call(counter, *leaves)
+        out = self._step_out.unpack_jax(call(self._step_in.pack_jax([counter, *leaves])))
         n = len(self._obs_leaf_specs)
         obs = self._obs_treedef.unflatten(out[:n])
         reward, terminated, truncated = out[n : n + 3]
@@ -374,7 +436,8 @@ class GymnasiumToJax:
         self._counter = (self._counter + 1) % _COUNTER_MOD
         return (np.uint32(self._counter), *leaves)
 
-    def _host_step(self, autoreset: bool, counter: Any, *action_leaves: Any) -> tuple:
+    def _host_step(self, autoreset: bool, buf: Any) -> np.ndarray:
+        counter, *action_leaves = self._step_in.unpack_np(buf)
         counter = int(counter)
         if not self._reset_done:
             raise ValueError(
@@ -392,8 +455,7 @@ class GymnasiumToJax:
                 "GymnasiumToJax.step was called after the episode ended in step_env: call "
                 "reset(key, params) first"
             )
-        host = [np.asarray(a) for a in action_leaves]
-        action = _cast_action(self._gym_act_space, self._act_treedef.unflatten(host))
+        action = _cast_action(self._gym_act_space, self._act_treedef.unflatten(action_leaves))
         obs, reward, terminated, truncated, info = self.env.step(action)
         final = self._obs_leaves(obs, "the observation of step")
         leaves = final
@@ -409,13 +471,15 @@ class GymnasiumToJax:
         extra = self._info_leaves(info)
         self._counter = (self._counter + 1) % _COUNTER_MOD
         batch = () if self.num_envs is None else (self.num_envs,)
-        return (
-            *leaves,
-            np.asarray(reward, np.float32).reshape(batch),
-            np.asarray(terminated, np.bool_).reshape(batch),
-            np.asarray(truncated, np.bool_).reshape(batch),
-            *[np.array(x) for x in final],
-            *extra,
+        return self._step_out.pack_np(
+            [
+                *leaves,
+                np.asarray(reward, np.float32).reshape(batch),
+                np.asarray(terminated, np.bool_).reshape(batch),
+                np.asarray(truncated, np.bool_).reshape(batch),
+                *final,
+                *extra,
+            ]
         )
 
     def _final_obs_of_vector(self, obs_leaves: list[np.ndarray], info: dict) -> list:
