@@ -467,6 +467,8 @@ def _in_packages(module: str, packages: Iterable[str]) -> bool:
 
 
 def _is_numpy_data_class(obj: Any) -> bool:
+    if isinstance(obj, np.ufunc):  # np.add & co. (the reducers of segment trees)
+        return True
     if not isinstance(obj, type) or not _in_packages(obj.__module__, _NUMPY_PACKAGES):
         return False
     data_types = (np.generic, np.dtype, np.random.BitGenerator, np.random.SeedSequence)
@@ -664,12 +666,12 @@ def loads(s: bytes | bytearray | memoryview, safe: bool = False) -> Any:
         An lz4-compressed pickle byte-string.
     safe : bool, optional
         Refuse every global that is not plain data, so that no code from ``s`` ever runs.
-        Allowed are numpy and jax arrays, numpy dtypes and scalars (``ml_dtypes`` ones too),
-        numpy random generators, numbers, strings, bytes, lists, tuples, dicts, sets,
-        ``collections`` containers (``OrderedDict``, ``defaultdict``, ``deque``, ``Counter``)
-        and classes defined in haiku, optax and coax_utils (their namedtuple and dataclass
-        states, replay buffers, segment trees, ...). Functions, lambdas, jitted functions and
-        classes from anywhere else are refused.
+        Allowed are numpy and jax arrays, numpy dtypes, scalars (``ml_dtypes`` ones too) and
+        ufuncs (``np.add``, ...), numpy random generators, numbers, strings, bytes, lists,
+        tuples, dicts, sets, ``collections`` containers (``OrderedDict``, ``defaultdict``,
+        ``deque``, ``Counter``) and classes defined in haiku, optax and coax_utils (their
+        namedtuple and dataclass states, replay buffers, segment trees, ...). Functions,
+        lambdas, jitted functions and classes from anywhere else are refused.
 
     Returns
     -------
