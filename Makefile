@@ -32,6 +32,7 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) -m pip install --quiet --no-deps coax
 	@for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 clean:
