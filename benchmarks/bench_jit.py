@@ -4,7 +4,9 @@ Each variant wraps the same function; after a warm-up (compilation), every repet
 it ``n`` times on the same inputs and blocks on the last result, inside the timed region.
 Variants run round robin (A B C A B C ...). Reported: microseconds per call, median and
 min-max over repetitions, and the ratio of medians against ``jax.jit`` (plus the ratio of the
-minima, which is less sensitive to other processes on a busy machine).
+minima, which is less sensitive to other processes on a busy machine). ``--clock cpu`` times
+with the CPU time of this process instead of wall time, which is what to use on a machine
+shared with other jobs.
 
 Run: ``python benchmarks/bench_jit.py`` (``--quick`` for a smoke run of a few seconds).
 """
@@ -73,12 +75,15 @@ def make_variants(func, options, coax_jit):
     return variants
 
 
-def time_calls(f, args, kwargs, n):
-    t0 = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def time_calls(f, args, kwargs, n, clock=time.perf_counter):
+    t0 = clock()
     for _ in range(n):
         out = f(*args, **kwargs)
     jax.block_until_ready(out)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def calibrate(f, args, kwargs, target_s):
@@ -90,12 +95,13 @@ def calibrate(f, args, kwargs, target_s):
         n *= 4
 
 
-def run(quick: bool) -> str:
+def run(quick: bool, clock_name: str = "wall") -> str:
     coax_jit = load_coax_jit()
+    clock = CLOCKS[clock_name]
     reps, target_s = (3, 0.05) if quick else (25, 0.06)
     lines = [
         f"jax {jax.__version__}, backend {jax.default_backend()}, {reps} repetitions of "
-        f"~{target_s:.2f} s per variant, round robin",
+        f"~{target_s:.2f} s per variant, round robin, {clock_name} clock",
         f"{'workload':<18} {'variant':<22} {'us/call median':>14} {'[min - max]':>17} "
         f"{'ratio vs jax.jit':>16} {'(ratio of mins)':>15}",
     ]
@@ -110,7 +116,7 @@ def run(quick: bool) -> str:
         samples = {label: [] for label in variants}
         for _ in range(reps):
             for label, f in variants.items():
-                samples[label].append(time_calls(f, args, kwargs, n) / n * 1e6)
+                samples[label].append(time_calls(f, args, kwargs, n, clock) / n * 1e6)
         base = statistics.median(samples["jax.jit"])
         base_min = min(samples["jax.jit"])
         for label, values in samples.items():
@@ -126,8 +132,15 @@ def run(quick: bool) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fast smoke run")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall: time.perf_counter; cpu: time.process_time (CPU time of this process, "
+        "robust to other processes competing for the cores)",
+    )
     args = parser.parse_args()
-    print(run(args.quick))
+    print(run(args.quick, args.clock))
 
 
 if __name__ == "__main__":
