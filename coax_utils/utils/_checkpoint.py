@@ -440,9 +440,6 @@ _SAFE_GLOBALS = frozenset(
         ("copyreg", "__newobj__"),
         ("copyreg", "__newobj_ex__"),
         ("numpy", "dtype"),
-        ("numpy", "ndarray"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "scalar"),
         ("numpy.core.multiarray", "scalar"),
         ("numpy._core.numeric", "_frombuffer"),
@@ -460,6 +457,31 @@ _SAFE_GLOBALS = frozenset(
 # Packages whose classes (not functions) are accepted: their states are plain data.
 _SAFE_CLASS_PACKAGES = ("coax_utils", "haiku", "optax")
 _NUMPY_PACKAGES = ("numpy", "ml_dtypes")
+
+
+class _NdarrayToken:
+    """Stands for ``numpy.ndarray`` in safe mode.
+
+    The class itself is not safe to hand out: ``numpy.ndarray(shape, object, buffer)`` makes
+    an object array whose pointers are bytes from the file. Pickles of object arrays only
+    need it as the first argument of ``numpy._core.multiarray._reconstruct``.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        raise UnsafeGlobalError(
+            "refusing to call global 'numpy.ndarray': in safe mode it only rebuilds pickled "
+            "arrays (it could turn bytes of the file into object pointers)"
+        )
+
+
+_NDARRAY_TOKEN = _NdarrayToken()
+
+
+def _safe_reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
+    """``numpy._core.multiarray._reconstruct`` restricted to plain ndarrays."""
+    if subtype is not _NDARRAY_TOKEN:
+        raise UnsafeGlobalError(f"refusing to reconstruct an array of type {subtype!r}")
+    return np.ndarray.__new__(np.ndarray, shape, dtype)  # new memory, never a buffer
 
 
 def _in_packages(module: str, packages: Iterable[str]) -> bool:
@@ -488,6 +510,10 @@ class _SafeUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
+        if (module, name) == ("numpy", "ndarray"):
+            return _NDARRAY_TOKEN
+        if name == "_reconstruct" and module in ("numpy._core.multiarray", "numpy.core.multiarray"):
+            return _safe_reconstruct
         # Import only inside the allowed packages, then check what the name really is (a
         # module may re-export a function or a foreign class under an innocent name).
         if _in_packages(module, _NUMPY_PACKAGES):

@@ -604,6 +604,29 @@ def test_safe_mode_refuses_non_data_globals(module, name):
     assert (module in sys.modules) == was_imported
 
 
+POINTER_FORGERY = textwrap.dedent(
+    """
+    import pickle, lz4.frame
+    from coax_utils.utils import loads
+    # numpy.ndarray((1,), 'O', b'AAAAAAAA'): an object array whose pointer comes from the file
+    payload = b"\\x80\\x02cnumpy\\nndarray\\n(K\\x01\\x85X\\x01\\x00\\x00\\x00OC\\x08AAAAAAAAtR."
+    try:
+        loads(lz4.frame.compress(payload), safe=True)
+    except pickle.UnpicklingError as e:
+        print(e)
+    """
+)
+
+
+def test_safe_mode_refuses_to_build_object_arrays_from_file_bytes():
+    # run in a child: if the check were missing, the forged pointer would crash the process
+    out = subprocess.run(
+        [sys.executable, "-c", POINTER_FORGERY], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "refusing to call global 'numpy.ndarray'" in out.stdout
+
+
 def test_safe_mode_refuses_lambdas_and_foreign_classes():
     for obj in (lambda x: x, Plain(), jax.jit(jnp.sin), collections.namedtuple("P", "x")(1)):
         with pytest.raises(pickle.UnpicklingError, match="refusing to load global"):
