@@ -52,57 +52,71 @@ class GymnasiumParams:
 class _Packer:
     """Carry a fixed list of arrays as one uint8 buffer across a host callback.
 
-    Leaves are laid out back to back in their (JAX) dtypes' native byte order; booleans take
-    one byte each. Both sides run on the same machine, so the byte order agrees.
+    Leaves of the same dtype sit next to each other (groups ordered by item size, so every
+    group is aligned), each group in its dtype's native byte order; booleans take one byte.
+    Both sides run on the same machine, so the byte order agrees. On the host, each leaf is
+    written with one slice assignment into a typed view of its group.
     """
 
     def __init__(self, specs: Any) -> None:
         self.specs = [jax.ShapeDtypeStruct(tuple(s.shape), np.dtype(s.dtype)) for s in specs]
-        sizes = [int(np.prod(s.shape)) * s.dtype.itemsize for s in self.specs]
-        self.offsets = [int(o) for o in np.cumsum([0, *sizes])]
-        self.spec = jax.ShapeDtypeStruct((self.offsets[-1],), jnp.uint8)
-        # the same layout as a packed numpy record, for the host side
-        self.names = [f"f{i}" for i in range(len(self.specs))]
-        self.record = np.dtype(
-            {
-                "names": self.names,
-                "formats": [(s.dtype, s.shape) for s in self.specs],
-                "offsets": self.offsets[:-1],
-                "itemsize": self.offsets[-1],
-            }
-        )
+        dtypes = sorted({s.dtype for s in self.specs}, key=lambda d: (-d.itemsize, d.str))
+        self.groups: list[tuple[np.dtype, int, int]] = []  # (dtype, start byte, stop byte)
+        self.slots: list[tuple[int, int, int]] = [(0, 0, 0)] * len(self.specs)
+        start = 0
+        for g, dt in enumerate(dtypes):
+            count = 0
+            for i, spec in enumerate(self.specs):
+                if spec.dtype == dt:
+                    size = int(np.prod(spec.shape))
+                    self.slots[i] = (g, count, count + size)
+                    count += size
+            self.groups.append((dt, start, start + count * dt.itemsize))
+            start += count * dt.itemsize
+        self.nbytes = start
+        self.spec = jax.ShapeDtypeStruct((start,), jnp.uint8)
 
     def pack_jax(self, leaves: list) -> jax.Array:
         parts = []
-        for x, s in zip(leaves, self.specs):
-            x = jnp.asarray(x, s.dtype)
-            if s.dtype == np.bool_:
+        for g, (dt, _, _) in enumerate(self.groups):
+            flat = [
+                jnp.asarray(x, dt).reshape(-1)
+                for x, (gx, _, _) in zip(leaves, self.slots)
+                if gx == g
+            ]
+            x = jnp.concatenate(flat)
+            if dt == np.bool_:
                 x = x.astype(jnp.uint8)
             parts.append(jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1))
         return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
 
     def unpack_jax(self, buf: jax.Array) -> list[jax.Array]:
-        out = []
-        for s, a, b in zip(self.specs, self.offsets[:-1], self.offsets[1:]):
+        typed = []
+        for dt, a, b in self.groups:
             chunk = buf[a:b]
-            if s.dtype == np.bool_:
-                x = chunk != 0
-            elif s.dtype.itemsize == 1:
-                x = jax.lax.bitcast_convert_type(chunk, s.dtype)
+            if dt == np.bool_:
+                typed.append(chunk != 0)
+            elif dt.itemsize == 1:
+                typed.append(jax.lax.bitcast_convert_type(chunk, dt))
             else:
-                x = jax.lax.bitcast_convert_type(chunk.reshape(-1, s.dtype.itemsize), s.dtype)
-            out.append(x.reshape(s.shape))
-        return out
+                typed.append(jax.lax.bitcast_convert_type(chunk.reshape(-1, dt.itemsize), dt))
+        return [
+            typed[g][i:j].reshape(spec.shape) for spec, (g, i, j) in zip(self.specs, self.slots)
+        ]
 
     def pack_np(self, leaves: list) -> np.ndarray:
-        rec = np.empty((1,), self.record)
-        for name, x in zip(self.names, leaves):
-            rec[0][name] = x
-        return rec.view(np.uint8)
+        buf = np.empty(self.nbytes, np.uint8)
+        views = [buf[a:b].view(dt) for dt, a, b in self.groups]
+        for x, (g, i, j) in zip(leaves, self.slots):
+            views[g][i:j] = np.ravel(x) if np.ndim(x) > 1 else x
+        return buf
 
     def unpack_np(self, buf: Any) -> list[np.ndarray]:
-        rec = np.asarray(buf).view(self.record)[0]
-        return [rec[name] for name in self.names]
+        buf = np.asarray(buf)
+        views = [buf[a:b].view(dt) for dt, a, b in self.groups]
+        return [
+            views[g][i:j].reshape(spec.shape) for spec, (g, i, j) in zip(self.specs, self.slots)
+        ]
 
 
 def _cast_action(space: gymnasium.Space, x: Any) -> Any:
