@@ -127,30 +127,38 @@ def zstd_load(path):
 
 
 def run(variants: dict, repeats: int) -> dict:
-    """Time each variant (a zero-argument callable) round robin; return lists of seconds."""
+    """Time each variant (a zero-argument callable) round robin.
+
+    Returns, per variant, a list of (wall seconds, CPU seconds of the process: all threads).
+    """
     times = {name: [] for name in variants}
     for fn in variants.values():  # warm-up
         fn()
     for _ in range(repeats):
         for name, fn in variants.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append((time.perf_counter() - t0, time.process_time() - c0))
     return times
 
 
 def report(title: str, times: dict, size: int, sizes: dict, peer: str) -> list[str]:
     lines = [
         title,
-        f"{'variant':<22}{'median MB/s':>12}{'min-max MB/s':>18}{'ratio':>8}{'vs coax':>9}",
+        f"{'variant':<20}{'MB/s median':>12}{'(min-max)':>12}{'vs coax':>9}"
+        f"{'CPU s':>8}{'vs coax':>9}{'size ratio':>12}",
     ]
-    peer_median = statistics.median(times[peer])
+    peer_wall = statistics.median(w for w, _ in times[peer])
+    peer_cpu = statistics.median(c for _, c in times[peer])
     for name, ts in times.items():
-        med = statistics.median(ts)
-        lo, hi = size / max(ts) / 1e6, size / min(ts) / 1e6
+        wall = statistics.median(w for w, _ in ts)
+        cpu = statistics.median(c for _, c in ts)
+        lo = size / max(w for w, _ in ts) / 1e6
+        hi = size / min(w for w, _ in ts) / 1e6
         lines.append(
-            f"{name:<22}{size / med / 1e6:>12.0f}{f'{lo:.0f}-{hi:.0f}':>18}"
-            f"{size / sizes[name]:>8.2f}{peer_median / med:>8.2f}x"
+            f"{name:<20}{size / wall / 1e6:>12.0f}{f'({lo:.0f}-{hi:.0f})':>12}"
+            f"{peer_wall / wall:>8.2f}x{cpu:>8.3f}{peer_cpu / cpu:>8.2f}x"
+            f"{size / sizes[name]:>12.3f}"
         )
     return lines
 
@@ -169,7 +177,11 @@ def main() -> None:
 
     obj = make_checkpoint(scale)
     size = nbytes(obj)
-    print(f"checkpoint: {size / 1e6:.0f} MB of arrays, {os.cpu_count()} CPUs, repeats={repeats}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"checkpoint: {size / 1e6:.0f} MB of arrays, {os.cpu_count()} CPUs, "
+        f"{utils._checkpoint._num_threads()} threads, repeats={repeats}, load average {load:.1f}"
+    )
 
     blobs = {
         "coax": coax.dumps(obj),

@@ -153,6 +153,9 @@ def _num_threads() -> int:
     return max(1, min(MAX_THREADS, n))
 
 
+_END = object()
+
+
 def _map_ordered(fn: Callable[[Any], Any], items: list[Any], nbytes: int) -> Iterator[Any]:
     """``map(fn, items)`` on a few threads (lz4 and crc32 release the GIL), results in order."""
     workers = min(_num_threads(), len(items))
@@ -165,9 +168,9 @@ def _map_ordered(fn: Callable[[Any], Any], items: list[Any], nbytes: int) -> Ite
         pending = collections.deque(pool.submit(fn, x) for _, x in zip(range(3 * workers), it))
         while pending:
             result = pending.popleft().result()
-            for x in it:
-                pending.append(pool.submit(fn, x))
-                break
+            nxt = next(it, _END)
+            if nxt is not _END:
+                pending.append(pool.submit(fn, nxt))
             yield result
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -257,7 +260,8 @@ def _decompress_into(src: Any, codec: int, dest: np.ndarray) -> None:
 # -- encoding ------------------------------------------------------------------------------
 
 
-def _metadata() -> bytes:
+@functools.lru_cache(maxsize=4)
+def _metadata(chunk_size: int) -> bytes:
     meta = {
         "format": "coax_utils checkpoint",
         "writer": f"coax_utils {__version__}",
@@ -265,19 +269,20 @@ def _metadata() -> bytes:
         "pickle_protocol": 5,
         "codec": "lz4.block",
         "checksum": "crc32",
-        "chunk_size": CHUNK_SIZE,
+        "chunk_size": chunk_size,
     }
     return json.dumps(meta, sort_keys=True).encode()
 
 
 def _encode(stream: memoryview, buffers: list[memoryview]) -> Iterator[Any]:
     """Yield the pieces of a checkpoint (bytes-like objects, to be concatenated)."""
-    meta = _metadata()
+    chunk_size = CHUNK_SIZE
+    meta = _metadata(chunk_size)
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(meta)) + meta
     header += _CRC.pack(zlib.crc32(header))
     yield header
     segments = [stream, *buffers]
-    chunks = [seg[i : i + CHUNK_SIZE] for seg in segments for i in range(0, seg.nbytes, CHUNK_SIZE)]
+    chunks = [seg[i : i + chunk_size] for seg in segments for i in range(0, seg.nbytes, chunk_size)]
     table: list[list[int]] = []
     offset = len(header)
     total = sum(seg.nbytes for seg in segments)
@@ -288,7 +293,7 @@ def _encode(stream: memoryview, buffers: list[memoryview]) -> Iterator[Any]:
         yield stored
     index_segments, k = [], 0
     for seg in segments:
-        n_chunks = -(-seg.nbytes // CHUNK_SIZE)
+        n_chunks = -(-seg.nbytes // chunk_size)
         index_segments.append([seg.nbytes, table[k : k + n_chunks]])
         k += n_chunks
     index = json.dumps({"segments": index_segments}, separators=(",", ":")).encode()
