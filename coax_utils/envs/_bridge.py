@@ -575,7 +575,9 @@ class JaxToGymnasium(gymnasium.Env):
         self._seed = seed
         self.observation_space = to_gymnasium_space(env.observation_space(params))
         self.action_space = to_gymnasium_space(env.action_space(params))
-        self._act_jax_space = to_jax_space(self.action_space)
+        # actions are cast to fixed JAX dtypes, so that the jitted step never retraces
+        act_spec = to_jax_space(self.action_space).shape_dtype()
+        self._act_dtypes, self._act_treedef = jax.tree_util.tree_flatten(act_spec)
         step_fn = env.step_env if hasattr(env, "step_env") else env.step
         self._reset_fn = jax.jit(env.reset)
         self._step_fn = jax.jit(step_fn)
@@ -599,7 +601,10 @@ class JaxToGymnasium(gymnasium.Env):
         if not self.action_space.contains(action):
             raise ValueError(f"action {action!r} is not an element of {self.action_space}")
         self._key, sub = jax.random.split(self._key)
-        action = jax.tree_util.tree_map(jnp.asarray, action)
+        leaves = self._act_treedef.flatten_up_to(action)
+        action = self._act_treedef.unflatten(
+            [jnp.asarray(x, s.dtype) for x, s in zip(leaves, self._act_dtypes)]
+        )
         out = self._step_fn(sub, self._state, action, self.params)
         if len(out) == 6:
             obs, state, reward, terminated, truncated, info = out

@@ -327,3 +327,20 @@ def test_bridged_jax_env_matches_the_jax_env():
 def test_a_drift_env_instance_is_a_valid_gymnasium_env():
     # the custom env used above is itself well-formed
     _check_env_quietly(DriftEnv())
+
+
+def test_jax_to_gymnasium_does_not_retrace():
+    traces = []
+
+    class Counted(LineEnv):
+        def step_env(self, *args):
+            traces.append(1)
+            return super().step_env(*args)
+
+    env = JaxToGymnasium(Counted(), seed=0)
+    env.reset()
+    for a in [0, np.int64(1), 2, np.int32(3)]:
+        env.step(a)
+    env.reset(seed=1)
+    env.step(1)
+    assert len(traces) == 1
