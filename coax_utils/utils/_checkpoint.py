@@ -525,6 +525,10 @@ class _SafeUnpickler(pickle.Unpickler):
             obj = super().find_class(module, name)
             if _is_numpy_data_class(obj):
                 return obj
+        elif module == "jax.numpy":  # scalar types such as jnp.float32, used as dtypes
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and isinstance(getattr(obj, "dtype", None), np.dtype):
+                return obj
         elif _in_packages(module, _SAFE_CLASS_PACKAGES):
             obj = super().find_class(module, name)
             if isinstance(obj, type) and _in_packages(obj.__module__, _SAFE_CLASS_PACKAGES):
@@ -698,7 +702,8 @@ def loads(s: bytes | bytearray | memoryview, safe: bool = False) -> Any:
     safe : bool, optional
         Refuse every global that is not plain data, so that no code from ``s`` ever runs.
         Allowed are numpy and jax arrays, numpy dtypes, scalars (``ml_dtypes`` ones too) and
-        ufuncs (``np.add``, ...), numpy random generators, numbers, strings, bytes, lists,
+        ufuncs (``np.add``, ...), numpy random generators, ``jax.numpy`` scalar types
+        (``jnp.float32``, ...), numbers, strings, bytes, lists,
         tuples, dicts, sets, ``collections`` containers (``OrderedDict``, ``defaultdict``,
         ``deque``, ``Counter``) and classes defined in haiku, optax and coax_utils (their
         namedtuple and dataclass states, replay buffers, segment trees, ...). Functions,

@@ -586,6 +586,9 @@ def crafted(module, name):
         ("functools", "partial"),
         ("numpy", "load"),
         ("numpy", "memmap"),
+        ("numpy", "ndarray.__new__"),
+        ("jax.numpy", "load"),
+        ("jax.numpy", "array"),
         ("numpy.lib.format", "open_memmap"),
         ("haiku", "transform"),
         ("optax", "adam"),
@@ -658,6 +661,7 @@ def test_safe_mode_accepts_agent_state_and_package_state_classes(tmp_path):
         ),
         "scalars": (np.float32(1.5), np.int64(2), 3 + 4j, b"bytes", None, True),
         "dtype": np.dtype(ml_dtypes.bfloat16),
+        "dtype_types": (np.float32, jnp.float32, jnp.bfloat16, ml_dtypes.bfloat16),
     }
     path = tmp_path / "agent.ckpt"
     utils.dump(obj, path)
@@ -671,6 +675,7 @@ def test_safe_mode_accepts_agent_state_and_package_state_classes(tmp_path):
     assert restored["containers"] == obj["containers"]
     assert restored["scalars"] == obj["scalars"]
     assert restored["dtype"] == obj["dtype"]
+    assert restored["dtype_types"] == obj["dtype_types"]
 
 
 def test_docstrings_warn_about_trust_and_references():
