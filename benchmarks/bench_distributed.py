@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -298,6 +299,7 @@ def main() -> None:
         bench_sample_latency(reps, calls=5 if args.quick else 60)
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
