@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coax_utils._dataclass import pytree_dataclass
-from coax_utils.sources._base import PyTree, check_ordering, epoch_permutation
+from coax_utils.sources._base import PyTree, check_ordering, epoch_permutation, refresh_order
 
 __all__ = ["ArraySource", "ArraySourceState"]
 
@@ -26,12 +26,16 @@ class ArraySourceState:
         PRNG key from which the next epoch's permutation is drawn.
     epoch : jax.Array
         int32 scalar: number of completed epochs.
+    reshuffle : jax.Array
+        bool scalar: True right after an epoch ends; the next call draws the new epoch's
+        permutation before reading (drawing it first keeps ``next`` free of O(n) copies).
     """
 
     order: jax.Array
     position: jax.Array
     key: jax.Array
     epoch: jax.Array
+    reshuffle: jax.Array
 
 
 class ArraySource:
@@ -140,24 +144,24 @@ class ArraySource:
             position=jnp.zeros([], jnp.int32),
             key=key,
             epoch=jnp.zeros([], jnp.int32),
+            reshuffle=jnp.zeros([], jnp.bool_),
         )
 
-    def _advance(self, state: ArraySourceState, position: jax.Array, epoch_ends: jax.Array):
-        """State after moving to ``position``, starting a new epoch where ``epoch_ends``."""
+    def _refresh(self, state: ArraySourceState) -> ArraySourceState:
+        """Draw the epoch's permutation if the previous epoch just ended."""
+        order, key = refresh_order(
+            state.key, state.order, state.reshuffle, self._ordering == "shuffle"
+        )
+        return state.replace(order=order, key=key)
 
-        def new_epoch(state: ArraySourceState) -> ArraySourceState:
-            key, order_key = jax.random.split(state.key)
-            return ArraySourceState(
-                order=self._order(order_key),
-                position=jnp.zeros([], jnp.int32),
-                key=key,
-                epoch=state.epoch + 1,
-            )
-
-        def same_epoch(state: ArraySourceState) -> ArraySourceState:
-            return state.replace(position=position)
-
-        return jax.lax.cond(epoch_ends, new_epoch, same_epoch, state)
+    @staticmethod
+    def _advance(state: ArraySourceState, position: jax.Array, epoch_ends: jax.Array):
+        """State after moving to ``position``; at the end of the epoch, start the next."""
+        return state.replace(
+            position=jnp.where(epoch_ends, 0, position).astype(jnp.int32),
+            epoch=state.epoch + epoch_ends.astype(jnp.int32),
+            reshuffle=epoch_ends,
+        )
 
     def next(self, state: ArraySourceState) -> tuple[PyTree, jax.Array, ArraySourceState]:
         """Return ``(sample, mask, new_state)``; ``mask`` is a scalar ``True``.
@@ -172,6 +176,7 @@ class ArraySource:
             The sample (a pytree like ``data`` without the leading axis), the mask and the
             advanced state.
         """
+        state = self._refresh(state)
         index = state.order[state.position]
         sample = jax.tree_util.tree_map(
             lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), self._data
@@ -190,6 +195,7 @@ class ArraySource:
         ``drop_last``, would not be full).
         """
         n = self._num_samples
+        state = self._refresh(state)
         positions = state.position + jnp.arange(batch_size, dtype=jnp.int32)
         valid = positions < n
         safe = jnp.minimum(positions, n - 1)

@@ -104,3 +104,22 @@ def epoch_permutation(key: jax.Array, size: int, shuffle: bool) -> jax.Array:
     if shuffle:
         return jax.random.permutation(key, size).astype(jnp.int32)
     return jnp.arange(size, dtype=jnp.int32)
+
+
+def refresh_order(
+    key: jax.Array, order: jax.Array, reshuffle: jax.Array, shuffle: bool
+) -> tuple[jax.Array, jax.Array]:
+    """``(order, key)`` to read from now: a fresh permutation when ``reshuffle`` is set.
+
+    Call this before anything reads ``order``: on XLA:CPU a conditional whose untaken
+    branch passes an array through copies that array when it was read before the
+    conditional, which would cost O(n) per step. Sequential orders never change.
+    """
+    if not shuffle:
+        return order, key
+
+    def fresh(key: jax.Array, order: jax.Array) -> tuple[jax.Array, jax.Array]:
+        key, order_key = jax.random.split(key)
+        return epoch_permutation(order_key, order.shape[0], True), key
+
+    return jax.lax.cond(reshuffle, fresh, lambda key, order: (order, key), key, order)

@@ -16,6 +16,7 @@ from coax_utils.sources._base import (
     check_ordering,
     check_positive_int,
     epoch_permutation,
+    refresh_order,
     spec_of,
     zeros_like_spec,
 )
@@ -42,6 +43,9 @@ class DiskSourceState:
     buffer_start : jax.Array
         int32 scalar: epoch position of the first sample in ``buffer``; -1 when the buffer
         holds nothing of the current epoch.
+    reshuffle : jax.Array
+        bool scalar: True right after an epoch ends; the next call draws the new epoch's
+        permutation first.
     """
 
     order: jax.Array
@@ -50,6 +54,7 @@ class DiskSourceState:
     epoch: jax.Array
     buffer: PyTree
     buffer_start: jax.Array
+    reshuffle: jax.Array
 
 
 def _describe(spec: jax.ShapeDtypeStruct) -> str:
@@ -146,9 +151,11 @@ class DiskSource:
             lambda s: jax.ShapeDtypeStruct(tuple(s.shape), canonical_dtype(s.dtype)), sample_spec
         )
         self._spec_leaves, self._spec_treedef = jax.tree_util.tree_flatten(self._spec)
-        self._chunk_spec = jax.tree_util.tree_map(
-            lambda s: jax.ShapeDtypeStruct((self._prefetch_size, *s.shape), s.dtype), self._spec
-        )
+        self._chunk_leaves = [
+            jax.ShapeDtypeStruct((self._prefetch_size, *s.shape), s.dtype)
+            for s in self._spec_leaves
+        ]
+        self._dtype_cache: dict[tuple[np.dtype, np.dtype], bool] = {}
 
     @property
     def steps_per_epoch(self) -> int:
@@ -187,6 +194,13 @@ class DiskSource:
                 f"DiskSource: sample_fn({index}) raised {type(exc).__name__}: {exc}"
             ) from exc
 
+    def _dtype_matches(self, dtype: np.dtype, spec: jax.ShapeDtypeStruct) -> bool:
+        key = (dtype, spec.dtype)
+        ok = self._dtype_cache.get(key)
+        if ok is None:
+            ok = self._dtype_cache[key] = canonical_dtype(dtype) == spec.dtype
+        return ok
+
     def _checked_leaves(self, index: int, sample: PyTree) -> list[np.ndarray]:
         leaves, treedef = jax.tree_util.tree_flatten(sample)
         if treedef != self._spec_treedef:
@@ -195,12 +209,12 @@ class DiskSource:
                 f"the spec expects {self._spec_treedef}"
             )
         arrays = []
-        for path_index, (leaf, spec) in enumerate(zip(leaves, self._spec_leaves)):
+        for leaf_index, (leaf, spec) in enumerate(zip(leaves, self._spec_leaves)):
             array = np.asarray(leaf)
-            got = jax.ShapeDtypeStruct(array.shape, canonical_dtype(array.dtype))
-            if got.shape != spec.shape or got.dtype != spec.dtype:
+            if array.shape != spec.shape or not self._dtype_matches(array.dtype, spec):
+                got = jax.ShapeDtypeStruct(array.shape, canonical_dtype(array.dtype))
                 raise ValueError(
-                    f"DiskSource: sample_fn({index}) returned leaf {path_index} with "
+                    f"DiskSource: sample_fn({index}) returned leaf {leaf_index} with "
                     f"{_describe(got)}; the spec expects {_describe(spec)}"
                 )
             arrays.append(array)
@@ -208,15 +222,11 @@ class DiskSource:
 
     def _fetch(self, indices: np.ndarray, count: np.ndarray) -> list[np.ndarray]:
         """Host side of the prefetch: stack ``sample_fn(i)`` for the first ``count`` indices."""
-        out = [np.zeros(s.shape, s.dtype) for s in self._chunk_spec_leaves()]
-        for row, index in enumerate(np.asarray(indices)[: int(count)]):
-            index = int(index)
+        out = [np.zeros(s.shape, s.dtype) for s in self._chunk_leaves]
+        for row, index in enumerate(np.asarray(indices)[: int(count)].tolist()):
             for buf, array in zip(out, self._checked_leaves(index, self._call(index))):
                 buf[row] = array
         return out
-
-    def _chunk_spec_leaves(self) -> list[jax.ShapeDtypeStruct]:
-        return jax.tree_util.tree_leaves(self._chunk_spec)
 
     def _order(self, key: jax.Array) -> jax.Array:
         return epoch_permutation(key, self._length, self._ordering == "shuffle")
@@ -241,16 +251,17 @@ class DiskSource:
             epoch=jnp.zeros([], jnp.int32),
             buffer=zeros_like_spec(self._spec, (self._prefetch_size,)),
             buffer_start=jnp.full([], -1, jnp.int32),
+            reshuffle=jnp.zeros([], jnp.bool_),
         )
 
-    def _refill(self, state: DiskSourceState) -> DiskSourceState:
+    def _refill(self, order: jax.Array, position: jax.Array) -> tuple[PyTree, jax.Array]:
+        """Fetch the chunk of the epoch that starts at ``position``: ``(buffer, position)``."""
         size = self._prefetch_size
-        offsets = state.position + jnp.arange(size, dtype=jnp.int32)
-        indices = state.order[jnp.minimum(offsets, self._length - 1)]
-        count = jnp.minimum(self._length - state.position, size).astype(jnp.int32)
-        leaves = io_callback(self._fetch, self._chunk_spec_leaves(), indices, count)
-        buffer = jax.tree_util.tree_unflatten(self._spec_treedef, leaves)
-        return state.replace(buffer=buffer, buffer_start=state.position)
+        offsets = position + jnp.arange(size, dtype=jnp.int32)
+        indices = order[jnp.minimum(offsets, self._length - 1)]
+        count = jnp.minimum(self._length - position, size).astype(jnp.int32)
+        leaves = io_callback(self._fetch, self._chunk_leaves, indices, count)
+        return jax.tree_util.tree_unflatten(self._spec_treedef, leaves), position
 
     def next(self, state: DiskSourceState) -> tuple[PyTree, jax.Array, DiskSourceState]:
         """Return ``(sample, mask, new_state)``, fetching the next chunk when needed.
@@ -264,30 +275,33 @@ class DiskSource:
         tuple
             The sample, a scalar ``True`` mask and the advanced state.
         """
+        order, key = refresh_order(
+            state.key, state.order, state.reshuffle, self._ordering == "shuffle"
+        )
+        state = state.replace(order=order, key=key)
         stale = jnp.logical_or(
             state.buffer_start < 0, state.position >= state.buffer_start + self._prefetch_size
         )
-        state = jax.lax.cond(stale, self._refill, lambda s: s, state)
+        buffer, start = jax.lax.cond(
+            stale,
+            self._refill,
+            lambda order, position: (state.buffer, state.buffer_start),
+            state.order,
+            state.position,
+        )
+        state = state.replace(buffer=buffer, buffer_start=start)
         row = state.position - state.buffer_start
         sample = jax.tree_util.tree_map(
             lambda b: jax.lax.dynamic_index_in_dim(b, row, keepdims=False), state.buffer
         )
         position = state.position + 1
-
-        def new_epoch(state: DiskSourceState) -> DiskSourceState:
-            key, order_key = jax.random.split(state.key)
-            return state.replace(
-                order=self._order(order_key),
-                position=jnp.zeros([], jnp.int32),
-                key=key,
-                epoch=state.epoch + 1,
-                buffer_start=jnp.full([], -1, jnp.int32),
-            )
-
-        def same_epoch(state: DiskSourceState) -> DiskSourceState:
-            return state.replace(position=position)
-
-        new_state = jax.lax.cond(position >= self._length, new_epoch, same_epoch, state)
+        epoch_ends = position >= self._length
+        new_state = state.replace(
+            position=jnp.where(epoch_ends, 0, position).astype(jnp.int32),
+            epoch=state.epoch + epoch_ends.astype(jnp.int32),
+            buffer_start=jnp.where(epoch_ends, -1, state.buffer_start).astype(jnp.int32),
+            reshuffle=epoch_ends,
+        )
         return sample, jnp.ones([], jnp.bool_), new_state
 
     def __repr__(self) -> str:

@@ -72,7 +72,15 @@ class GymnaxSource:
     ``policy_step_fn(obs, policy_state, new_episode, key) -> (action, policy_state)``, where
     ``new_episode`` is True on an episode's first step. When an episode ends the
     environment is reset with ``env.reset``; after ``steps_per_epoch`` steps the epoch
-    ends and a fresh episode starts. The mask of every item is a scalar ``True``.
+    ends and a fresh episode starts. ``env.reset`` runs under :func:`jax.lax.cond`, only
+    when needed, so host-backed environments see no extra resets. The mask of every item
+    is a scalar ``True``.
+
+    ``next_state`` is the observation ``env.step`` returns. Environments whose ``step``
+    resets a finished episode itself (gymnax's ``Environment.step``,
+    :class:`coax_utils.envs.GymnasiumToJax`) return the next episode's first observation
+    there; :class:`~coax_utils.envs.GymnasiumToJax` reports the real last observation in
+    ``info["final_obs"]``.
 
     Parameters
     ----------

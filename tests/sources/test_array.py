@@ -115,6 +115,7 @@ def test_raw_uint32_key_works():
 
 
 def test_no_retrace_on_second_call():
+    chex.clear_trace_counter()
     source = ArraySource(jnp.arange(10))
 
     @jax.jit

@@ -166,6 +166,7 @@ def test_sample_not_matching_spec_is_a_clear_error(bad, match):
 
 
 def test_no_retrace_on_second_call():
+    chex.clear_trace_counter()
     source = DiskSource(5, lambda i: np.float32(i), prefetch_size=2)
 
     @jax.jit

@@ -1,11 +1,13 @@
 """GymnaxSource with a small JAX environment written here (both step conventions)."""
 
 import chex
+import gymnasium
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from coax_utils.envs import GymnasiumToJax
 from coax_utils.sources import BatchedSource, GymnaxSource, GymnaxSourceState, Source
 
 
@@ -178,6 +180,7 @@ def test_batched_rollouts():
 
 
 def test_no_retrace_on_second_call():
+    chex.clear_trace_counter()
     source = GymnaxSource(Chain(True), PARAMS, policy, TEMPLATE, steps_per_epoch=3)
 
     @jax.jit
@@ -216,3 +219,48 @@ class ThreeTuple:
 def test_bad_arguments(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         GymnaxSource(*args, **kwargs)
+
+
+def test_gymnasium_cartpole_through_the_bridge():
+    env = GymnasiumToJax(gymnasium.make("CartPole-v1"), seed=3)
+    steps_per_epoch = 40
+
+    def random_policy(obs, count, new_episode, key):
+        return jax.random.randint(key, (), 0, 2), count + 1
+
+    source = GymnaxSource(
+        env, env.default_params, random_policy, jnp.int32(0), steps_per_epoch=steps_per_epoch
+    )
+    spec = source.element_spec()
+    assert spec["state"] == jax.ShapeDtypeStruct((4,), jnp.float32)
+    assert {"terminated", "truncated"} <= set(spec)
+    state = source.init_state(jax.random.key(0)).replace(policy_state=jnp.int32(0))
+
+    def body(state, _):
+        item, _, state = source.next(state)
+        return state, item
+
+    steps = 90
+    state, items = jax.jit(lambda s: jax.lax.scan(body, s, None, length=steps))(state)
+    items = jax.tree_util.tree_map(np.asarray, items)
+    assert items["done"].any()  # random play on CartPole ends episodes quickly
+    assert int(state.epoch) == 2 and int(state.policy_state) == steps
+
+    # Replay the emitted actions on a plain gymnasium CartPole. The bridge's step resets a
+    # finished episode itself (gymnax-style autoreset, the real last observation is in
+    # info["final_obs"]); the source then resets again, as it does at each epoch end.
+    oracle = gymnasium.make("CartPole-v1")
+    obs, _ = oracle.reset(seed=3)
+    for t in range(steps):
+        np.testing.assert_allclose(items["state"][t], obs, rtol=1e-6)
+        obs, reward, terminated, truncated, _ = oracle.step(int(items["action"][t]))
+        np.testing.assert_allclose(items["info"]["final_obs"][t], obs, rtol=1e-6)
+        assert items["reward"][t] == reward
+        assert items["terminated"][t] == terminated and items["truncated"][t] == truncated
+        if terminated or truncated:
+            obs, _ = oracle.reset()
+            np.testing.assert_allclose(items["next_state"][t], obs, rtol=1e-6)
+        else:
+            np.testing.assert_allclose(items["next_state"][t], obs, rtol=1e-6)
+        if terminated or truncated or (t + 1) % steps_per_epoch == 0:
+            obs, _ = oracle.reset()
