@@ -203,13 +203,17 @@ def main() -> None:
             store.set.remote(jax.device_get(params))
         if step % args.log_every == 0 or step == args.learner_steps:
             stats = ray.get([w.stats.remote() for w in workers])
-            returns = [r for s in stats for r in s["episode_returns"][-10:]]
+            # mean return of the last 10 episodes of each worker (most exploring first)
+            returns = " ".join(
+                f"{np.mean(s['episode_returns'][-10:]) if s['episode_returns'] else 0.0:5.1f}"
+                for s in stats
+            )
             print(
-                f"learner step {step:6d}  loss {float(loss):8.4f}  "
+                f"learner step {step:6d}  loss {float(loss):7.4f}  "
                 f"replay {ray.get(server.size.remote()):6d}  "
                 f"env steps {sum(s['steps'] for s in stats):7d}  "
-                f"return (last 10 per worker) {np.mean(returns) if returns else 0.0:6.1f}  "
-                f"{step / (time.perf_counter() - tic):6.0f} updates/s",
+                f"returns {returns}  "
+                f"{step / (time.perf_counter() - tic):4.0f} updates/s",
                 flush=True,
             )
     ray.get(update_ref)
