@@ -38,6 +38,15 @@ class ParameterServer(RemoteClass):
         store.set.remote(jax.device_get(new_params))             # learner
         version, params = ray.get(store.get.remote())            # worker, first pull
         update = ray.get(store.get_if_newer.remote(version))     # None if unchanged
+
+    In-process, without Ray:
+
+    >>> import numpy as np
+    >>> store = ParameterServer({"w": np.array([1.0, 2.0])})
+    >>> store.get_if_newer(0)
+    (1, {'w': array([1., 2.])})
+    >>> store.set({"w": np.array([3.0, 4.0])}), store.get_if_newer(2)
+    (2, None)
     """
 
     def __init__(self, params: Any = None) -> None:

@@ -80,6 +80,16 @@ class ReplayServer(RemoteClass):
         server.add.remote(transition_batch)          # from any number of writers
         batch = ray.get(server.sample.remote(32))    # in the learner
         server.update.remote(batch.idx, td_error)
+
+    The class also works in-process, without Ray (e.g. in unit tests):
+
+    >>> from coax_utils.replay import SimpleReplayBuffer, TransitionBatch
+    >>> server = ReplayServer(SimpleReplayBuffer(capacity=2))
+    >>> one = TransitionBatch.from_single(s=0, a=0, logp=0.0, r=1.0, done=False, gamma=0.9)
+    >>> [server.add(one) for _ in range(3)]
+    [1, 1, 1]
+    >>> server.num_added(), server.size()  # the ring evicted the oldest transition
+    (3, 2)
     """
 
     def __init__(self, buffer: Any) -> None:
