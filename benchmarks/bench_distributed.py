@@ -113,6 +113,9 @@ def fmt_time(values: list[float]) -> str:
 def bench_writes(reps: int, num_batches: int) -> None:
     server = ReplayServer.remote(PrioritizedReplayBuffer(CAPACITY, random_seed=0))
     blocking_server = ReplayServer.remote(PrioritizedReplayBuffer(CAPACITY, random_seed=0))
+    threaded = ReplayServer.options(max_concurrency=4).remote(
+        PrioritizedReplayBuffer(CAPACITY, random_seed=0)
+    )
     sink = ray.remote(Sink).remote()
     writers = [ray.remote(Writer).remote(seed) for seed in (1, 2)]
     local = PrioritizedReplayBuffer(CAPACITY, random_seed=0)
@@ -137,9 +140,10 @@ def bench_writes(reps: int, num_batches: int) -> None:
         variants[f"ReplayServer, {k} writer(s), 2 in flight"] = (server, k, 2)
         variants[f"bare Ray actor (floor), {k} writer(s)"] = (sink, k, 2)
         variants[f"blocking add (coax.Worker), {k} writer(s)"] = (blocking_server, k, 0)
+    variants["ReplayServer max_concurrency=4, 2 writer(s)"] = (threaded, 2, 2)
     runs = {name: remote_variant(t, k, f, num_batches) for name, (t, k, f) in variants.items()}
     runs["buffer.add in-process (no Ray)"] = local_variant
-    expected = {server: 0, blocking_server: 0, sink: 0}
+    expected = {server: 0, blocking_server: 0, sink: 0, threaded: 0}
 
     for run in runs.values():  # warm-up (worker processes, first allocation)
         run()
@@ -168,7 +172,7 @@ def bench_writes(reps: int, num_batches: int) -> None:
         ours = statistics.median(rates[f"ReplayServer, {k} writer(s), 2 in flight"])
         blocking = statistics.median(rates[f"blocking add (coax.Worker), {k} writer(s)"])
         print(f"ratio ReplayServer / blocking add, {k} writer(s): {ours / blocking:.2f}")
-    for actor in [server, blocking_server, sink, *writers]:
+    for actor in [server, blocking_server, threaded, sink, *writers]:
         ray.kill(actor)
 
 
@@ -236,13 +240,15 @@ def bench_sample_latency(reps: int, calls: int) -> None:
     for seed in range(64):
         buffer.add(make_batch(seed, 256))
     server = ReplayServer.remote(buffer)
+    threaded = ReplayServer.options(max_concurrency=4).remote(buffer)
     writers = [ray.remote(Writer).remote(seed) for seed in (1, 2)]
     known = {tuple(row) for seed in range(64) for row in make_batch(seed, 256).S.tolist()}
     known |= {tuple(row) for seed in (1, 2) for row in make_batch(seed).S.tolist()}
 
-    def measure(num_writers):
+    def measure(server, num_writers):
         def run():
-            streams = [w.stream.remote(server, 0.05 + 0.004 * calls) for w in writers[:num_writers]]
+            seconds = 0.05 + 0.004 * calls
+            streams = [w.stream.remote(server, seconds) for w in writers[:num_writers]]
             tic = time.perf_counter()
             for _ in range(calls):
                 batch = ray.get(server.sample.remote(SAMPLE))
@@ -260,7 +266,8 @@ def bench_sample_latency(reps: int, calls: int) -> None:
             buffer.sample(SAMPLE)
         return (time.perf_counter() - tic) / calls
 
-    runs = {f"server.sample, {k} writer(s) pushing": measure(k) for k in (0, 1, 2)}
+    runs = {f"server.sample, {k} writer(s) pushing": measure(server, k) for k in (0, 1, 2)}
+    runs["same, 2 writers, max_concurrency=4"] = measure(threaded, 2)
     runs["buffer.sample in-process (no Ray)"] = local
     for run in runs.values():
         run()
@@ -268,13 +275,14 @@ def bench_sample_latency(reps: int, calls: int) -> None:
     for _ in range(reps):
         for name, run in runs.items():
             times[name].append(run())
-    assert ray.get(server.num_added.remote()) > 64 * 256  # the writers did push
+    for target in (server, threaded):  # the writers did push
+        assert ray.get(target.num_added.remote()) > 64 * 256
     idle = statistics.median(times["server.sample, 0 writer(s) pushing"])
     print(f"\nLearner sample latency, batch {SAMPLE} from {64 * 256} transitions")
     print(f"{'variant':45s} {'median (min - max)':>32s}  {'vs idle':>8s}")
     for name, values in times.items():
         print(f"{name:45s} {fmt_time(values):>32s}  {statistics.median(values) / idle:8.2f}")
-    for actor in [server, *writers]:
+    for actor in [server, threaded, *writers]:
         ray.kill(actor)
 
 

@@ -55,6 +55,13 @@ class ReplayServer(RemoteClass):
     its ``update`` ignores ids that were overwritten, so late priorities never land on
     newer transitions.
 
+    By default the actor runs one call at a time, in the order each caller submitted them,
+    so a writer's batches enter the ring in order. Under heavy writing,
+    ``ReplayServer.options(max_concurrency=4).remote(buffer)`` lets Ray receive calls on
+    several threads (the lock still applies them one at a time), which shortens the
+    learner's wait for ``sample`` (see the benchmarks page); the batches of one writer may
+    then be applied out of order.
+
     Parameters
     ----------
     buffer : host replay buffer
