@@ -73,6 +73,20 @@ class Space:
     def __contains__(self, x: Any) -> bool:
         return bool(self.contains(x))
 
+    def _key(self) -> tuple:
+        """A hashable description of the space: equal spaces have equal keys."""
+        raise NotImplementedError
+
+    def _key_with_type(self) -> tuple:
+        return (type(self).__name__, self._key())
+
+    def __eq__(self, other: object) -> bool:
+        """Exact equality: same kind, shape, dtype and bounds (bit for bit)."""
+        return isinstance(other, Space) and self._key_with_type() == other._key_with_type()
+
+    def __hash__(self) -> int:
+        return hash(self._key_with_type())
+
 
 class Box(Space):
     r"""A (possibly unbounded) box :math:`[\text{low}, \text{high}]` in :math:`\mathbb{R}^n`.
@@ -188,16 +202,8 @@ class Box(Space):
         """The element shape and (JAX) dtype."""
         return jax.ShapeDtypeStruct(self.shape, _canonical(self.dtype))
 
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Box)
-            and self.shape == other.shape
-            and self.dtype == other.dtype
-            and np.array_equal(self.low, other.low)
-            and np.array_equal(self.high, other.high)
-        )
-
-    __hash__ = None  # type: ignore[assignment]
+    def _key(self) -> tuple:
+        return (self.shape, self.dtype.str, self.low.tobytes(), self.high.tobytes())
 
     def __repr__(self) -> str:
         lo, hi = self.low, self.high
@@ -254,14 +260,8 @@ class Discrete(Space):
         """The element shape ``()`` and (JAX) dtype."""
         return jax.ShapeDtypeStruct((), _canonical(self.dtype))
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Discrete) and (self.n, self.start, self.dtype) == (
-            other.n,
-            other.start,
-            other.dtype,
-        )
-
-    __hash__ = None  # type: ignore[assignment]
+    def _key(self) -> tuple:
+        return (self.n, self.start, self.dtype.str)
 
     def __repr__(self) -> str:
         start = f", start={self.start}" if self.start else ""
@@ -322,16 +322,8 @@ class MultiDiscrete(Space):
         """The element shape and (JAX) dtype."""
         return jax.ShapeDtypeStruct(self.shape, _canonical(self.dtype))
 
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, MultiDiscrete)
-            and self.dtype == other.dtype
-            and self.shape == other.shape
-            and np.array_equal(self.nvec, other.nvec)
-            and np.array_equal(self.start, other.start)
-        )
-
-    __hash__ = None  # type: ignore[assignment]
+    def _key(self) -> tuple:
+        return (self.shape, self.dtype.str, self.nvec.tobytes(), self.start.tobytes())
 
     def __repr__(self) -> str:
         return f"MultiDiscrete({self.nvec.tolist()})"
@@ -380,10 +372,8 @@ class MultiBinary(Space):
         """The element shape and dtype (int8)."""
         return jax.ShapeDtypeStruct(self.shape, jnp.int8)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, MultiBinary) and self.n == other.n
-
-    __hash__ = None  # type: ignore[assignment]
+    def _key(self) -> tuple:
+        return (self.n,)
 
     def __repr__(self) -> str:
         return f"MultiBinary({self.n})"
@@ -440,10 +430,8 @@ class Tuple(Space):
     def __len__(self) -> int:
         return len(self.spaces)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Tuple) and self.spaces == other.spaces
-
-    __hash__ = None  # type: ignore[assignment]
+    def _key(self) -> tuple:
+        return tuple(sp._key_with_type() for sp in self.spaces)
 
     def __repr__(self) -> str:
         return f"Tuple({', '.join(map(repr, self.spaces))})"
@@ -504,10 +492,8 @@ class Dict(Space):
         """The keys, in order."""
         return self.spaces.keys()
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Dict) and list(self.spaces.items()) == list(other.spaces.items())
-
-    __hash__ = None  # type: ignore[assignment]
+    def _key(self) -> tuple:
+        return tuple((k, sp._key_with_type()) for k, sp in self.spaces.items())
 
     def __repr__(self) -> str:
         items = ", ".join(f"{k!r}: {s!r}" for k, s in self.spaces.items())

@@ -90,6 +90,7 @@ def test_round_trip_is_exact(name):
     _assert_same_gym_space(back, space)
     # and the other way round
     assert to_jax_space(back) == jspace
+    assert hash(to_jax_space(back)) == hash(jspace)  # hashable: usable as a static argument
 
 
 @pytest.mark.parametrize("name", sorted(SPACES))
@@ -256,3 +257,15 @@ def test_box_samples_lie_in_the_gymnasium_box(low, width, shape, seed):
     x = np.asarray(jbox.sample(jax.random.key(seed)))
     assert gym_box.contains(x)
     assert bool(jbox.contains(x))
+
+
+def test_equality_is_exact_and_static_arguments_work():
+    assert envs.Box(0.0, 1.0, (2,)) != envs.Box(0.0, np.nextafter(np.float32(1), 2), (2,))
+    assert envs.Box(0.0, 1.0, (2,)) != envs.Box(0.0, 1.0, (2,), np.float64)
+    assert envs.Discrete(3) != envs.Discrete(3, start=1)
+    assert envs.Dict({"a": envs.Discrete(2), "b": envs.Discrete(3)}) != envs.Dict(
+        {"b": envs.Discrete(3), "a": envs.Discrete(2)}
+    )  # key order is part of the space
+    sample = jax.jit(lambda space, key: space.sample(key), static_argnums=0)
+    x = sample(envs.MultiDiscrete([3, 4]), jax.random.key(0))
+    assert x.shape == (2,)
