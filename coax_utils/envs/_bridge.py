@@ -420,13 +420,10 @@ class GymnasiumToJax:
     # -- host side -------------------------------------------------------------------------
 
     def _obs_leaves(self, obs: Any, what: str) -> list[np.ndarray]:
-        try:
-            leaves = self._obs_treedef.flatten_up_to(obs)
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"the env returned {what} {obs!r}, which does not have the structure of its "
-                f"observation space {self._obs_space!r}"
-            ) from e
+        if self._obs_treedef.num_leaves == 1 and self._obs_treedef.num_nodes == 1:
+            leaves = [obs]  # a single array: nothing to flatten
+        else:
+            leaves = self._flatten_obs(obs, what)
         out = []
         for x, spec in zip(leaves, self._obs_leaf_specs):
             arr = np.asarray(x, dtype=spec.dtype)
@@ -437,6 +434,15 @@ class GymnasiumToJax:
                 )
             out.append(arr)
         return out
+
+    def _flatten_obs(self, obs: Any, what: str) -> list:
+        try:
+            return self._obs_treedef.flatten_up_to(obs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"the env returned {what} {obs!r}, which does not have the structure of its "
+                f"observation space {self._obs_space!r}"
+            ) from e
 
     def _host_reset(self, seed: Any) -> tuple:
         if self._seed is None:
@@ -482,19 +488,10 @@ class GymnasiumToJax:
                     self._episode_over = True
         elif "final_obs" in info and "_final_obs" in info:
             final = self._final_obs_of_vector(final, info)
-        extra = self._info_leaves(info)
+        extra = self._info_leaves(info) if self._info_spec else []
         self._counter = (self._counter + 1) % _COUNTER_MOD
-        batch = () if self.num_envs is None else (self.num_envs,)
-        return self._step_out.pack_np(
-            [
-                *leaves,
-                np.asarray(reward, np.float32).reshape(batch),
-                np.asarray(terminated, np.bool_).reshape(batch),
-                np.asarray(truncated, np.bool_).reshape(batch),
-                *final,
-                *extra,
-            ]
-        )
+        # the packer casts reward and flags while writing them into the buffer
+        return self._step_out.pack_np([*leaves, reward, terminated, truncated, *final, *extra])
 
     def _final_obs_of_vector(self, obs_leaves: list[np.ndarray], info: dict) -> list:
         """Same-step autoreset vector envs report the final observations in the info."""
