@@ -344,3 +344,20 @@ def test_jax_to_gymnasium_does_not_retrace():
     env.reset(seed=1)
     env.step(1)
     assert len(traces) == 1
+
+
+def test_observations_that_do_not_fit_the_space_raise_clearly():
+    class WrongShape(DriftEnv):
+        def reset(self, *, seed=None, options=None):
+            obs, info = super().reset(seed=seed)
+            obs["pos"] = np.zeros(3, np.float32)
+            return obs, info
+
+    class WrongStructure(DriftEnv):
+        def reset(self, *, seed=None, options=None):
+            return np.zeros(2, np.float32), {}
+
+    with pytest.raises(Exception, match=r"of shape \(3,\), but its observation space"):
+        jax.block_until_ready(GymnasiumToJax(WrongShape(), seed=0).reset(jax.random.key(0)))
+    with pytest.raises(Exception, match="does not have the structure of its observation space"):
+        jax.block_until_ready(GymnasiumToJax(WrongStructure(), seed=0).reset(jax.random.key(0)))
