@@ -137,6 +137,12 @@ def sum_tree_set(state: SumTreeState, indices: jax.Array, values: jax.Array) -> 
         The updated tree. Every ancestor of a written leaf is recomputed as the sum of its two
         children, so no error accumulates over many updates.
 
+    Notes
+    -----
+    On CPU the writes run one after the other in a loop (a leaf, then its ancestors), which
+    XLA compiles to tight in-place code; on accelerators all writes of a level run at once
+    (scatters with a last-write-wins mask). Both give identical trees.
+
     Examples
     --------
     >>> state = sum_tree_init(3)
@@ -146,11 +152,43 @@ def sum_tree_set(state: SumTreeState, indices: jax.Array, values: jax.Array) -> 
     """
     indices = jnp.asarray(indices).reshape(-1).astype(jnp.int32)
     values = jnp.broadcast_to(jnp.asarray(values, state.nodes.dtype).reshape(-1), indices.shape)
+    if jax.default_backend() == "cpu":
+        return _set_sequential(state, indices, values)
+    return _set_vectorized(state, indices, values)
+
+
+def _set_sequential(state: SumTreeState, indices: jax.Array, values: jax.Array) -> SumTreeState:
+    """One write at a time: set the leaf, then recompute its ancestors bottom-up."""
+    n, capacity = state.num_leaves, state.capacity
+
+    def write(nodes: jax.Array, index_value: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+        i, v = index_value
+        valid = (i >= 0) & (i < capacity)
+        node = jnp.clip(i, 0, capacity - 1) + n
+        v = jnp.where(valid, v, nodes[node])  # an ignored index rewrites the current value
+        nodes = jax.lax.dynamic_update_slice(nodes, v[None], (node,))
+
+        def up(_: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            nodes, node = carry
+            node = node // 2
+            children = jax.lax.dynamic_slice(nodes, (2 * node,), (2,))
+            total = (children[0] + children[1])[None]
+            return jax.lax.dynamic_update_slice(nodes, total, (node,)), node
+
+        nodes, _ = jax.lax.fori_loop(0, state.height, up, (nodes, node))
+        return nodes, None
+
+    nodes, _ = jax.lax.scan(write, state.nodes, (indices, values))
+    return state.replace(nodes=nodes)
+
+
+def _set_vectorized(state: SumTreeState, indices: jax.Array, values: jax.Array) -> SumTreeState:
+    """All writes of one level at once: a leaf scatter, then one scatter per level."""
     n = state.num_leaves
     valid = (indices >= 0) & (indices < state.capacity) & _last_write_mask(indices)
     # invalid or overwritten entries are sent out of bounds and dropped by the scatter
     leaf = jnp.where(valid, indices + n, 2 * n)
-    nodes = state.nodes.at[leaf].set(values, mode="drop", unique_indices=False)
+    nodes = state.nodes.at[leaf].set(values, mode="drop")
     node = jnp.where(valid, indices + n, 0)
     for _ in range(state.height):
         node = node // 2
@@ -260,15 +298,21 @@ def sum_tree_inverse_cdf(state: SumTreeState, u: Any) -> jax.Array:
     """
     nodes = state.nodes
     u = jnp.clip(jnp.asarray(u, nodes.dtype), 0, 1)
-    target = u * nodes[1]
-    node = jnp.ones(u.shape, jnp.int32)
-    for _ in range(state.height):
-        left = nodes[2 * node]
-        right = nodes[2 * node + 1]
-        go_left = (target < left) | (right <= 0)
-        target = jnp.where(go_left, target, target - left)
-        node = jnp.where(go_left, 2 * node, 2 * node + 1)
-    return jnp.minimum(node - state.num_leaves, state.capacity - 1).astype(jnp.int32)
+    shape = u.shape
+    target = u.reshape(-1) * nodes[1]
+    children = nodes.reshape(-1, 2)  # row k holds the two children of node k
+
+    def down(_: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        node, target = carry
+        pair = children[node]
+        left, right = pair[:, 0], pair[:, 1]
+        go_right = (target >= left) & (right > 0)
+        return 2 * node + go_right, jnp.where(go_right, target - left, target)
+
+    node = jnp.ones(target.shape, jnp.int32)
+    node, _ = jax.lax.fori_loop(0, state.height, down, (node, target))
+    index = jnp.minimum(node - state.num_leaves, state.capacity - 1).astype(jnp.int32)
+    return index.reshape(shape)
 
 
 def sum_tree_sample(

@@ -84,14 +84,13 @@ def inverse_cdf(arr, num_leaves, u, out):
     level_size = 1
     while level_size < num_leaves:
         for s in range(n):
+            # branch-free step: random comparisons would defeat the branch predictor
             child = 2 * out[s]
             left = arr[child]
             t = target[s]
-            if t < left or arr[child + 1] <= 0.0:
-                out[s] = child
-            else:
-                target[s] = t - left
-                out[s] = child + 1
+            go_right = (t >= left) & (arr[child + 1] > 0.0)
+            out[s] = child + go_right
+            target[s] = t - left * go_right
         level_size *= 2
     for s in range(n):
         out[s] -= num_leaves

@@ -12,6 +12,7 @@ from coax_utils import utils
 from coax_utils.utils import (
     SumTree,
     SumTreeState,
+    _segment_tree_fn,
     sum_tree_init,
     sum_tree_inverse_cdf,
     sum_tree_reduce,
@@ -61,6 +62,8 @@ def test_exported_from_utils():
 
 # module-level jitted functions: hypothesis examples of the same capacity reuse the compilation
 _set = jax.jit(sum_tree_set)
+# the accelerator path (all writes of a level at once), exercised here on CPU too
+_set_vectorized = jax.jit(_segment_tree_fn._set_vectorized)
 _reduce = jax.jit(sum_tree_reduce)
 _inverse_cdf = jax.jit(sum_tree_inverse_cdf)
 _K = 12  # fixed batch size; unused slots carry the ignored index -1
@@ -73,6 +76,7 @@ _K = 12  # fixed batch size; unused slots carry the ignored index -1
 )
 def test_set_reduce_match_naive_oracle(capacity, data):
     state = sum_tree_init(capacity)
+    state_vectorized = state
     ref = np.zeros(capacity, np.float32)
     for _ in range(3):
         k = data.draw(st.integers(1, _K))
@@ -87,6 +91,10 @@ def test_set_reduce_match_naive_oracle(capacity, data):
         for i, v in zip(idx[:k], vals[:k]):  # last write wins
             ref[i] = v
         state = _set(state, jnp.asarray(idx), jnp.asarray(vals))
+        state_vectorized = _set_vectorized(
+            state_vectorized, jnp.asarray(idx, jnp.int32), jnp.asarray(vals)
+        )
+        np.testing.assert_array_equal(np.asarray(state_vectorized.nodes), np.asarray(state.nodes))
         np.testing.assert_array_equal(np.asarray(sum_tree_values(state)), ref)
         np.testing.assert_allclose(float(sum_tree_total(state)), ref.sum(), rtol=1e-6)
     start = np.array(data.draw(st.lists(st.integers(0, capacity), min_size=5, max_size=5)))
