@@ -6,11 +6,12 @@ What it shows:
    cosine embedding of random quantile fractions :math:`\\tau` (``utils.quantiles_uniform``
    and ``utils.quantile_cos_embedding``), and the head predicts the return quantiles
    :math:`Z_\\tau(s, a)` of every action;
-2. the quantile Huber loss between the predicted quantiles and the target quantiles
-   :math:`r + \\gamma\\, Z_{\\tau'}(s', a^*)`, optimized with optax inside one picklable
-   jitted function (``utils.jit``) that also adds the newest transition to a jittable replay
-   buffer (``replay.make_uniform_buffer``) and samples the training batch from it;
-3. greedy actions through ``utils.argmax`` (random tie breaking) on the mean over the
+2. n-step returns traced on the host by ``replay.NStep`` and stored in a jittable replay
+   buffer (``replay.make_uniform_buffer``, its state donated to a jitted ``add``);
+3. the quantile Huber loss between the predicted quantiles and the target quantiles
+   :math:`R^{(n)} + \\gamma^n\\, Z_{\\tau'}(s_{t+n}, a^*)`, optimized with optax inside a
+   picklable jitted update (``utils.jit``) that samples its batch from the buffer;
+4. greedy actions through ``utils.argmax`` (random tie breaking) on the mean over the
    sampled quantiles, with epsilon-greedy exploration from ``utils.StepwiseLinearFunction``.
 
 It prints progress while it trains, evaluates the greedy policy over 10 episodes at the end
@@ -33,9 +34,10 @@ import numpy as np
 import optax
 
 from coax_utils import utils
-from coax_utils.replay import make_uniform_buffer
+from coax_utils.replay import NStep, make_uniform_buffer
 
 GAMMA = 0.99
+N_STEP = 3
 NUM_ACTIONS = 2
 NUM_TAU = 16  # quantile fractions per state in the loss (for predictions and targets)
 NUM_TAU_ACT = 32  # quantile fractions per state when acting
@@ -99,8 +101,8 @@ def quantile_huber_loss(params, target_params, batch, key):
     tau_next, _ = sample_quantile_levels(tau_next_key, b, NUM_TAU)
     z_next = iqn.apply(target_params, batch["s_next"], tau_next)
     z_next = jnp.take_along_axis(z_next, a_next[:, None, None], axis=2)[:, :, 0]  # (b, k')
-    discount = GAMMA * (1.0 - batch["terminated"].astype(jnp.float32))
-    target = jax.lax.stop_gradient(batch["r"][:, None] + discount[:, None] * z_next)
+    # In = gamma^n while the episode goes on (truncation included), 0 after termination
+    target = jax.lax.stop_gradient(batch["Rn"][:, None] + batch["In"][:, None] * z_next)
 
     # pairwise TD errors u_ij = target_j - z_i, weighted by |tau_i - 1{u_ij < 0}|
     u = target[:, None, :] - z_sa[:, :, None]  # (b, k, k')
@@ -109,33 +111,20 @@ def quantile_huber_loss(params, target_params, batch, key):
     return jnp.mean(jnp.sum(jnp.mean(loss, axis=2), axis=1))
 
 
-def train_step(params, target_params, opt_state, buffer_state, transition, key, learn):
-    """Add ``transition`` to the replay buffer, then (if ``learn``) do one gradient step."""
-    buffer_state = buffer.add(buffer_state, jax.tree_util.tree_map(lambda x: x[None], transition))
-
-    def learn_fn(carry):
-        params, target_params, opt_state = carry
-        sample_key, loss_key = jax.random.split(key)
-        batch = buffer.sample(buffer_state, sample_key, BATCH_SIZE)
-        loss, grads = jax.value_and_grad(quantile_huber_loss)(
-            params, target_params, batch, loss_key
-        )
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        target_params = optax.incremental_update(params, target_params, TARGET_TAU)
-        return (params, target_params, opt_state), loss
-
-    def skip(carry):
-        return carry, jnp.zeros([], jnp.float32)
-
-    (params, target_params, opt_state), loss = jax.lax.cond(
-        learn, learn_fn, skip, (params, target_params, opt_state)
-    )
-    return params, target_params, opt_state, buffer_state, loss
+def update(params, target_params, opt_state, buffer_state, key):
+    """One gradient step on a batch sampled from the replay buffer."""
+    sample_key, loss_key = jax.random.split(key)
+    batch = buffer.sample(buffer_state, sample_key, BATCH_SIZE)
+    loss, grads = jax.value_and_grad(quantile_huber_loss)(params, target_params, batch, loss_key)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    target_params = optax.incremental_update(params, target_params, TARGET_TAU)
+    return params, target_params, opt_state, loss
 
 
 act_jit = utils.jit(act)
-train_step_jit = utils.jit(train_step, donate_argnums=(3,))
+add_jit = utils.jit(buffer.add, donate_argnums=(0,))
+update_jit = utils.jit(update)
 
 
 def evaluate(params, env: gym.Env, num_episodes: int, seed: int) -> float:
@@ -179,11 +168,12 @@ def main() -> int:
     example = {
         "s": np.zeros(4, np.float32),
         "a": np.int32(0),
-        "r": np.float32(0.0),
-        "terminated": np.bool_(False),
+        "Rn": np.float32(0.0),
+        "In": np.float32(0.0),
         "s_next": np.zeros(4, np.float32),
     }
     buffer_state = buffer.init(example)
+    tracer = NStep(n=N_STEP, gamma=GAMMA)
 
     returns, ep_return, loss = [], 0.0, 0.0
     t0 = time.perf_counter()
@@ -192,16 +182,22 @@ def main() -> int:
         a = int(act_jit(params, act_key, s.astype(np.float32), float(epsilon(step))))
         s_next, r, terminated, truncated, _ = env.step(a)
         ep_return += float(r)
-        transition = {
-            "s": s.astype(np.float32),
-            "a": np.int32(a),
-            "r": np.float32(r),
-            "terminated": np.bool_(terminated),  # a time limit (truncation) still bootstraps
-            "s_next": s_next.astype(np.float32),
-        }
-        params, target_params, opt_state, buffer_state, loss = train_step_jit(
-            params, target_params, opt_state, buffer_state, transition, train_key, step >= warmup
-        )
+        # a time limit (truncation) ends the trace but still bootstraps
+        tracer.add(s.astype(np.float32), a, float(r), terminated, truncated=truncated)
+        while tracer:
+            b = tracer.pop()  # a TransitionBatch of one n-step transition
+            items = {
+                "s": b.S,
+                "a": b.A.astype(np.int32),
+                "Rn": b.Rn,
+                "In": b.In,
+                "s_next": b.S_next,
+            }
+            buffer_state = add_jit(buffer_state, items)
+        if step >= warmup:
+            params, target_params, opt_state, loss = update_jit(
+                params, target_params, opt_state, buffer_state, train_key
+            )
         s = s_next
         if terminated or truncated:
             returns.append(ep_return)
