@@ -207,6 +207,18 @@ class GymnasiumToJax:
         The wrapped env.
     num_envs : int or None
         The number of sub-envs of a vector env, None for a single env.
+
+    Examples
+    --------
+    >>> import gymnasium, jax
+    >>> env = GymnasiumToJax(gymnasium.make("CartPole-v1"), seed=0)
+    >>> obs, state = env.reset(jax.random.key(0))
+    >>> bool((obs == gymnasium.make("CartPole-v1").reset(seed=0)[0]).all())
+    True
+    >>> step = jax.jit(env.step)
+    >>> obs, state, reward, terminated, truncated, info = step(None, state, 1)
+    >>> float(reward), bool(terminated), sorted(info)
+    (1.0, False, ['final_obs'])
     """
 
     def __init__(
