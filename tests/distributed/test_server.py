@@ -35,10 +35,13 @@ def _stored_keys(ray, server):
     return [k for tr in ray.get(server.snapshot.remote()) for k in keys(tr.S)]
 
 
-def test_concurrent_writers_lose_nothing(ray_cluster):
+# max_concurrency=4: Ray runs calls on 4 threads of the actor; the server's lock must hold
+@pytest.mark.parametrize("max_concurrency", [1, 4])
+def test_concurrent_writers_lose_nothing(ray_cluster, max_concurrency):
     ray = ray_cluster
     total = NUM_WRITERS * NUM_BATCHES * BATCH
-    server = ReplayServer.remote(SimpleReplayBuffer(capacity=2 * total, random_seed=0))
+    buffer = PrioritizedReplayBuffer(capacity=2 * total, random_seed=0)
+    server = ReplayServer.options(max_concurrency=max_concurrency).remote(buffer)
     assert _run_writers(ray, server) == total
     assert ray.get(server.num_added.remote()) == total
     assert ray.get(server.size.remote()) == total
