@@ -11,8 +11,8 @@ Variants (timed round robin, A B C D A B C D ...):
   linear policy called on every observation;
 - ``bridge scan + policy``: the same policy inside the scan;
 - ``vector x16: python loop`` / ``vector x16: bridge scan``: a ``SyncVectorEnv`` of 16
-  CartPoles stepped directly and through the bridge (one callback serves 16 env steps);
-  steps/s counts env steps.
+  CartPoles (``--num-envs``) stepped directly and through the bridge (one callback serves
+  all sub-envs); steps/s counts env steps.
 
 Correctness: the bridged rollout must reproduce the Python loop exactly (same seed and
 actions), checked before timing.
@@ -145,6 +145,7 @@ def make_vector_run(benv: GymnasiumToJax):
 
 
 def main() -> None:
+    global NUM_ENVS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few-second smoke run")
     parser.add_argument(
@@ -154,7 +155,9 @@ def main() -> None:
         help="wall: time.perf_counter; cpu: CPU time of this process (all its threads), "
         "which does not count waiting for a core on a shared machine",
     )
+    parser.add_argument("--num-envs", type=int, default=NUM_ENVS, help="vector env width")
     args = parser.parse_args()
+    NUM_ENVS = args.num_envs
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     n = 500 if args.quick else 2000
     reps = 3 if args.quick else 11
@@ -178,7 +181,7 @@ def main() -> None:
     assert float(b_total) == ref_total, (float(b_total), ref_total)
     np.testing.assert_allclose(np.asarray(b_obs), ref_obs, rtol=1e-4, atol=1e-3)
 
-    nv = n // 8
+    nv = max(1, 2 * n // NUM_ENVS)
     v_actions = np.random.default_rng(2).integers(0, 2, size=(nv, NUM_ENVS)).astype(np.int32)
     jv_actions = jnp.asarray(v_actions)
     plain_venv = make_vector_env()
