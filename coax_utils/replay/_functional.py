@@ -24,10 +24,7 @@ from coax_utils.replay._host import SequenceSample
 from coax_utils.utils._segment_tree_fn import (
     SumTreeState,
     sum_tree_init,
-    sum_tree_inverse_cdf,
     sum_tree_set,
-    sum_tree_total,
-    sum_tree_values,
 )
 
 __all__ = [
@@ -81,6 +78,74 @@ def _uniform(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     """Floats in ``[0, 1)`` with 24 random bits."""
     bits = _random_bits(key, shape) >> 8
     return bits.astype(dtype) * jnp.asarray(2.0**-24, dtype)
+
+
+# -- sum-tree traversals for the hot path ----------------------------------------------------
+#
+# Sampling and updating priorities run on the layout of ``SumTreeState`` (a 1-indexed heap,
+# leaves at ``num_leaves + i``) with XLA loops instead of unrolled levels. Same results as
+# ``sum_tree_inverse_cdf`` / ``sum_tree_set`` (tested), but on a CPU: (1) a looped descent
+# orders every read of the tree before a following in-place update, so a jitted
+# sample-then-update step does not copy the whole tree; (2) a sequential per-index update
+# (parents recomputed from their children, never by adding deltas, so no drift; duplicates:
+# the last write wins by construction) costs a few scalar operations per level instead of a
+# batched gather/scatter per level.
+
+
+def _tree_inverse_cdf(tree: SumTreeState, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Indices for ``u`` in [0, 1] and their probabilities ``value / total``.
+
+    Every read of the tree happens inside the loop (the root's children give the total in the
+    first iteration), so nothing outside it keeps the old tree alive.
+    """
+    nodes = tree.nodes
+    u = jnp.clip(u, 0, 1).astype(nodes.dtype)
+    if tree.height == 0:  # capacity 1: a single slot
+        return jnp.zeros(u.shape, jnp.int32), jnp.ones(u.shape, nodes.dtype)
+
+    def level(i: Any, carry: tuple) -> tuple:
+        node, target, total, value = carry
+        left, right = nodes[2 * node], nodes[2 * node + 1]
+        total = jnp.where(i == 0, left + right, total)
+        target = jnp.where(i == 0, target * total, target)
+        go_left = (target < left) | (right <= 0)
+        return (
+            jnp.where(go_left, 2 * node, 2 * node + 1),
+            jnp.where(go_left, target, target - left),
+            total,
+            jnp.where(go_left, left, right),
+        )
+
+    zeros = jnp.zeros(u.shape, nodes.dtype)
+    start = (jnp.ones(u.shape, jnp.int32), u, zeros, zeros)
+    node, _, total, value = jax.lax.fori_loop(0, tree.height, level, start)
+    indices = jnp.minimum(node - tree.num_leaves, tree.capacity - 1).astype(jnp.int32)
+    return indices, value / total
+
+
+def _tree_set(tree: SumTreeState, indices: jax.Array, values: jax.Array, valid: jax.Array) -> Any:
+    """Set ``values`` at ``indices`` where ``valid`` (others are no-ops), one index at a time."""
+    n = tree.num_leaves
+
+    def one(nodes: jax.Array, item: tuple) -> tuple:
+        i, v, ok = item
+        node = jnp.where(ok, i, 0) + n
+        old = jax.lax.dynamic_index_in_dim(nodes, node, keepdims=False)
+        nodes = jax.lax.dynamic_update_index_in_dim(nodes, jnp.where(ok, v, old), node, 0)
+
+        def level(_: Any, carry: tuple) -> tuple:
+            nodes, node = carry
+            node = node // 2
+            total = jax.lax.dynamic_index_in_dim(nodes, 2 * node, keepdims=False)
+            total = total + jax.lax.dynamic_index_in_dim(nodes, 2 * node + 1, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(nodes, total, node, 0), node
+
+        nodes, _ = jax.lax.fori_loop(0, tree.height, level, (nodes, node))
+        return nodes, None
+
+    values = values.astype(tree.nodes.dtype)
+    nodes, _ = jax.lax.scan(one, tree.nodes, (indices.astype(jnp.int32), values, valid))
+    return tree.replace(nodes=nodes)
 
 
 # -- shared helpers -------------------------------------------------------------------------
@@ -496,8 +561,7 @@ def make_prioritized_buffer(
         batch_size = _check_static_int(batch_size, "batch_size")
         beta_ = default_beta if beta is None else jnp.asarray(beta, jnp.float32)
         u = _uniform(key, (batch_size,), jnp.float32)
-        indices = sum_tree_inverse_cdf(state.tree, u)
-        prob = sum_tree_values(state.tree)[indices] / sum_tree_total(state.tree)
+        indices, prob = _tree_inverse_cdf(state.tree, u)
         # (N P)^-beta / max (N P)^-beta  ==  (P / min P)^-beta
         weights = jnp.power(prob / jnp.min(prob), -beta_)
         return PrioritizedSample(_gather(state.items, indices), indices, weights)
@@ -508,9 +572,7 @@ def make_prioritized_buffer(
         indices = jnp.asarray(indices, jnp.int32)
         p = jnp.power(jnp.abs(jnp.asarray(priorities, jnp.float32)) + epsilon, alpha)
         valid = jnp.isfinite(p) & (indices >= 0) & (indices < state.size)
-        # invalid entries are sent out of range: sum_tree_set ignores them
-        safe = jnp.where(valid, indices, capacity)
-        tree = sum_tree_set(state.tree, safe, jnp.where(valid, p, 0.0))
+        tree = _tree_set(state.tree, indices, p, valid)
         max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(valid, p, 0.0), initial=0.0))
         return state.replace(tree=tree, max_priority=max_p)
 

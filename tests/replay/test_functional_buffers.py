@@ -193,3 +193,41 @@ def test_states_checkpoint_with_utils_dump(tmp_path):
         np.testing.assert_array_equal(a, b)
     key = jax.random.key(9)
     np.testing.assert_array_equal(sample(state, key, 16).indices, sample(restored, key, 16).indices)
+
+
+def test_looped_tree_traversals_match_the_functional_sum_tree():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from coax_utils.replay._functional import _tree_inverse_cdf, _tree_set
+    from coax_utils.utils import sum_tree_init, sum_tree_inverse_cdf, sum_tree_set
+
+    inv = jax.jit(_tree_inverse_cdf)
+    set_ = jax.jit(_tree_set)
+    ref_inv = jax.jit(sum_tree_inverse_cdf)
+    ref_set = jax.jit(sum_tree_set)
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        capacity=st.sampled_from([2, 5, 8, 13]),
+        data=st.lists(st.tuples(st.integers(0, 12), st.floats(0, 10), st.booleans()), max_size=8),
+        seed=st.integers(0, 100),
+    )
+    def check(capacity, data, seed):
+        rng = np.random.default_rng(seed)
+        tree = sum_tree_set(
+            sum_tree_init(capacity), jnp.arange(capacity), rng.uniform(0, 2, capacity)
+        )
+        idx = jnp.asarray([i % capacity for i, _, _ in data] + [0], jnp.int32)
+        val = jnp.asarray([v for _, v, _ in data] + [1.0], jnp.float32)
+        ok = jnp.asarray([k for _, _, k in data] + [False])
+        got = set_(tree, idx, val, ok)
+        want = ref_set(tree, jnp.where(ok, idx, capacity), val)  # out of range: ignored
+        np.testing.assert_array_equal(got.nodes, want.nodes)
+        u = jnp.asarray(np.r_[rng.uniform(size=16), 0.0, 1.0], jnp.float32)
+        i, prob = inv(got, u)
+        np.testing.assert_array_equal(i, ref_inv(got, u))
+        values = np.asarray(got.nodes[got.num_leaves :][:capacity])
+        np.testing.assert_allclose(prob, values[np.asarray(i)] / values.sum(), rtol=1e-5)
+
+    check()
