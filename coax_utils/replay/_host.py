@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from coax_utils.replay._transition import TransitionBatch
 __all__ = ["PrioritizedReplayBuffer", "SequenceSample", "SimpleReplayBuffer"]
 
 _FORMAT_VERSION = 1
+_RECYCLE_BYTES = 1 << 20  # outputs of at least this size recycle unreferenced memory
 
 
 @pytree_dataclass
@@ -81,6 +83,7 @@ class _RingStorage:
     def clear(self) -> None:
         """Remove all transitions (the storage is released; the RNG stream continues)."""
         self._storage: list[np.ndarray] | None = None
+        self._recycle: dict[int, np.ndarray] = {}
         self._treedef = None
         self._out_treedef = None
         self._idx_pos = 0
@@ -190,8 +193,27 @@ class _RingStorage:
             self._episode_counter += int(ends.sum())
         return slots, ids
 
+    def _take(self, i: int, arr: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """``arr[slots]`` as a fresh array; large outputs recycle an unreferenced one.
+
+        Filling fresh memory costs page faults that can double the time of a large gather
+        (e.g. a batch of Atari frames). The last output of each large leaf is kept; when the
+        caller no longer holds any reference to it (nor to a view of it), the next sample
+        writes into it instead of allocating. A batch that is still referenced is never
+        overwritten.
+        """
+        if arr[:1].nbytes * len(slots) < _RECYCLE_BYTES:
+            return np.take(arr, slots, axis=0, mode="clip")
+        out = self._recycle.get(i)
+        # references: the dict, the local name and getrefcount's argument
+        if out is not None and out.shape[0] == len(slots) and sys.getrefcount(out) == 3:
+            return np.take(arr, slots, axis=0, out=out, mode="clip")
+        out = np.take(arr, slots, axis=0, mode="clip")
+        self._recycle[i] = out
+        return out
+
     def _gather(self, slots: np.ndarray, W: np.ndarray | None = None) -> TransitionBatch:
-        leaves = [np.take(arr, slots, axis=0, mode="clip") for arr in self._storage]
+        leaves = [self._take(i, arr, slots) for i, arr in enumerate(self._storage)]
         if W is not None:
             leaves[self._w_pos] = leaves[self._w_pos] * W.astype(leaves[self._w_pos].dtype)
         leaves.insert(self._idx_pos, np.take(self._ids, slots, mode="clip"))
@@ -273,7 +295,8 @@ class _RingStorage:
 
     def __getstate__(self) -> dict:
         n = len(self)
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_storage", "_rng")}
+        skip = ("_storage", "_rng", "_recycle")
+        state = {k: v for k, v in self.__dict__.items() if k not in skip}
         state["_rng_state"] = self._rng.bit_generator.state
         state["_rng_class"] = type(self._rng.bit_generator).__name__
         # only the filled slots are stored (slots [0, n) are filled while not yet full)
@@ -296,6 +319,7 @@ class _RingStorage:
         bit_generator.state = rng_state
         self._rng = np.random.Generator(bit_generator)
         self._storage = None
+        self._recycle = {}
         self._treedef = self._out_treedef = None
         if stored is not None:
             treedef = jax.tree_util.tree_structure(skeleton)

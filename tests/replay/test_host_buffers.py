@@ -224,3 +224,31 @@ def test_save_load_directory_of_memory_mapped_arrays(cls, mmap_mode, tmp_path):
         (SimpleReplayBuffer if cls is PrioritizedReplayBuffer else PrioritizedReplayBuffer).load(
             path
         )
+
+
+def test_large_samples_never_overwrite_a_batch_still_in_use():
+    buffer = SimpleReplayBuffer(64, random_seed=0)
+    frames = np.arange(64, dtype=np.uint8)[:, None, None] * np.ones((1, 128, 128), np.uint8)
+    buffer.add(
+        TransitionBatch(
+            S=frames,
+            A=np.arange(64),
+            logP=np.zeros(64, np.float32),
+            Rn=np.zeros(64, np.float32),
+            In=np.ones(64, np.float32),
+            S_next=frames,
+        )
+    )
+
+    def check(b):
+        np.testing.assert_array_equal(b.S[:, 5, 7], b.idx.astype(np.uint8))
+
+    first = buffer.sample(128)  # 2 MiB per frame leaf: recycled memory when unreferenced
+    kept = first.S.copy()
+    view = buffer.sample(128).S_next[:3]  # only a view of this one stays referenced
+    kept_view = view.copy()
+    for _ in range(3):
+        check(buffer.sample(128))  # dropped at once: its memory is recycled
+    np.testing.assert_array_equal(first.S, kept)
+    np.testing.assert_array_equal(view, kept_view)
+    check(first)
