@@ -8,7 +8,13 @@ import pytest
 
 import coax_utils
 
-PUBLIC_MODULES = ["coax_utils.utils", "coax_utils.sources", "coax_utils.replay", "coax_utils.envs"]
+PUBLIC_MODULES = [
+    "coax_utils.utils",
+    "coax_utils.sources",
+    "coax_utils.replay",
+    "coax_utils.envs",
+    "coax_utils.distributed",
+]
 
 
 def test_version_is_a_string():
