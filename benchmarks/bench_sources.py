@@ -60,6 +60,12 @@ def checksum(batch: dict, mask: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(mask, pixels + batch["label"], 0))
 
 
+def expected_checksum(data: dict[str, np.ndarray]) -> int:
+    """The int32 (wrapped-around) checksum of one epoch over the whole data set."""
+    total = int(data["image"].astype(np.int64).sum() + data["label"].astype(np.int64).sum())
+    return ((total + (1 << 31)) % (1 << 32)) - (1 << 31)
+
+
 def make_epoch_runner(source, steps: int) -> Callable:
     """A jitted function running ``steps`` calls of ``source.next`` in a scan."""
 
@@ -119,12 +125,7 @@ def fmt_table(header: list[str], rows: list[list[str]]) -> str:
 def bench_batched(repeats: int, batch_size: int = 128) -> str:
     data = make_mnist_like(60000)
     n = len(data["label"])
-    expected = np.int32(
-        (data["image"].astype(np.int64).sum() + data["label"].astype(np.int64).sum())
-        % (1 << 32)
-    ).view(np.int32) if False else None
-    total64 = int(data["image"].astype(np.int64).sum() + data["label"].astype(np.int64).sum())
-    expected = ((total64 + (1 << 31)) % (1 << 32)) - (1 << 31)  # int32 wrap-around
+    expected = expected_checksum(data)
 
     ours = BatchedSource(ArraySource(data, ordering="shuffle"), batch_size)
     theirs = BatchTransform(batch_size=batch_size, pad_last_batch=True)(
@@ -187,7 +188,7 @@ def bench_disk(repeats: int, n: int, chunk: int) -> str:
             return {"image": np.asarray(images[i]), "label": labels[i]}
 
         perm = np.random.default_rng(0).permutation(n)
-        expected_chunk_sums = {}
+        expected = expected_checksum(data)
         variants: dict[str, Callable[[], None]] = {}
         per_call_items: dict[str, int] = {}
 
@@ -202,6 +203,9 @@ def bench_disk(repeats: int, n: int, chunk: int) -> str:
             loop_out.append(acc)
             loop_pos[0] = (start + chunk) % n
 
+        full = sum(int(sample_fn(int(i))["label"]) for i in perm)  # warm-up and check
+        if full != int(labels.astype(np.int64).sum()):
+            raise AssertionError(f"python loop: label sum {full} != {labels.sum()}")
         variants["python loop"] = python_loop
         per_call_items["python loop"] = chunk
 
@@ -210,22 +214,16 @@ def bench_disk(repeats: int, n: int, chunk: int) -> str:
             "coax_utils p=512": DiskSource(n, sample_fn, prefetch_size=512),
             "cyreal": CyDiskSource(n, sample_fn, prefetch_size=64),
         }
-        checks = {}
         for name, source in sources.items():
             run = make_epoch_runner(_ItemAsBatch(source), n)
             state = source.init_state(jax.random.key(0))
             state, total = run(state)  # warm-up: compile + one full epoch
-            total64 = int(data["image"].astype(np.int64).sum() + labels.astype(np.int64).sum())
-            expected = ((total64 + (1 << 31)) % (1 << 32)) - (1 << 31)
             if int(total) != expected:
                 raise AssertionError(f"{name}: epoch checksum {int(total)} != {expected}")
             run_chunk = make_epoch_runner(_ItemAsBatch(source), chunk)
             jax.block_until_ready(run_chunk(state))  # compile
-            go, outs = stateful(run_chunk, state, 1)
-            variants[name] = go
+            variants[name], _ = stateful(run_chunk, state, 1)
             per_call_items[name] = chunk
-            checks[name] = outs
-        del expected_chunk_sums
 
         times = round_robin(variants, repeats)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -156,6 +157,7 @@ class DiskSource:
             for s in self._spec_leaves
         ]
         self._dtype_cache: dict[tuple[np.dtype, np.dtype], bool] = {}
+        self._treedef_cache: dict[int, Any] = {}
 
     @property
     def steps_per_epoch(self) -> int:
@@ -222,11 +224,35 @@ class DiskSource:
 
     def _fetch(self, indices: np.ndarray, count: np.ndarray) -> list[np.ndarray]:
         """Host side of the prefetch: stack ``sample_fn(i)`` for the first ``count`` indices."""
+        index_list = np.asarray(indices)[: int(np.asarray(count))].tolist()
+        samples = [self._call(index) for index in index_list]
         out = [np.zeros(s.shape, s.dtype) for s in self._chunk_leaves]
-        for row, index in enumerate(np.asarray(indices)[: int(count)].tolist()):
-            for buf, array in zip(out, self._checked_leaves(index, self._call(index))):
-                buf[row] = array
+        rows, width = len(samples), len(out)
+        try:
+            # One flatten for the whole chunk; any mismatch falls through to the slow path.
+            leaves, treedef = jax.tree_util.tree_flatten(samples)
+            if treedef != self._chunk_treedef(rows):
+                raise ValueError("structure")
+            for k, (buf, spec) in enumerate(zip(out, self._spec_leaves)):
+                column = [np.asarray(leaf) for leaf in leaves[k::width]]
+                if not all(self._dtype_matches(dt, spec) for dt in {a.dtype for a in column}):
+                    raise ValueError("dtype")
+                if rows:
+                    np.stack(column, out=buf[:rows])  # raises on a shape mismatch
+        except ValueError:
+            # Something does not match the spec: find the first offending sample and say so.
+            for index, sample in zip(index_list, samples):
+                self._checked_leaves(index, sample)
+            raise
         return out
+
+    def _chunk_treedef(self, rows: int) -> Any:
+        treedef = self._treedef_cache.get(rows)
+        if treedef is None:
+            example = jax.tree_util.tree_unflatten(self._spec_treedef, self._spec_leaves)
+            treedef = jax.tree_util.tree_structure([example] * rows)
+            self._treedef_cache[rows] = treedef
+        return treedef
 
     def _order(self, key: jax.Array) -> jax.Array:
         return epoch_permutation(key, self._length, self._ordering == "shuffle")
@@ -254,14 +280,26 @@ class DiskSource:
             reshuffle=jnp.zeros([], jnp.bool_),
         )
 
-    def _refill(self, order: jax.Array, position: jax.Array) -> tuple[PyTree, jax.Array]:
-        """Fetch the chunk of the epoch that starts at ``position``: ``(buffer, position)``."""
+    def _refill(self, state: DiskSourceState) -> DiskSourceState:
+        """Fetch the chunk of the epoch that starts at ``state.position`` into the buffer.
+
+        A new epoch starts with an empty buffer, so its permutation is drawn here too.
+        """
+        order, key = refresh_order(
+            state.key, state.order, state.reshuffle, self._ordering == "shuffle"
+        )
         size = self._prefetch_size
-        offsets = position + jnp.arange(size, dtype=jnp.int32)
+        offsets = state.position + jnp.arange(size, dtype=jnp.int32)
         indices = order[jnp.minimum(offsets, self._length - 1)]
-        count = jnp.minimum(self._length - position, size).astype(jnp.int32)
+        count = jnp.minimum(self._length - state.position, size).astype(jnp.int32)
         leaves = io_callback(self._fetch, self._chunk_leaves, indices, count)
-        return jax.tree_util.tree_unflatten(self._spec_treedef, leaves), position
+        return state.replace(
+            order=order,
+            key=key,
+            buffer=jax.tree_util.tree_unflatten(self._spec_treedef, leaves),
+            buffer_start=state.position,
+            reshuffle=jnp.zeros([], jnp.bool_),
+        )
 
     def next(self, state: DiskSourceState) -> tuple[PyTree, jax.Array, DiskSourceState]:
         """Return ``(sample, mask, new_state)``, fetching the next chunk when needed.
@@ -275,21 +313,11 @@ class DiskSource:
         tuple
             The sample, a scalar ``True`` mask and the advanced state.
         """
-        order, key = refresh_order(
-            state.key, state.order, state.reshuffle, self._ordering == "shuffle"
-        )
-        state = state.replace(order=order, key=key)
+        # Nothing reads the large fields before this conditional (no copies on XLA:CPU).
         stale = jnp.logical_or(
             state.buffer_start < 0, state.position >= state.buffer_start + self._prefetch_size
         )
-        buffer, start = jax.lax.cond(
-            stale,
-            self._refill,
-            lambda order, position: (state.buffer, state.buffer_start),
-            state.order,
-            state.position,
-        )
-        state = state.replace(buffer=buffer, buffer_start=start)
+        state = jax.lax.cond(stale, self._refill, lambda state: state, state)
         row = state.position - state.buffer_start
         sample = jax.tree_util.tree_map(
             lambda b: jax.lax.dynamic_index_in_dim(b, row, keepdims=False), state.buffer
@@ -300,7 +328,7 @@ class DiskSource:
             position=jnp.where(epoch_ends, 0, position).astype(jnp.int32),
             epoch=state.epoch + epoch_ends.astype(jnp.int32),
             buffer_start=jnp.where(epoch_ends, -1, state.buffer_start).astype(jnp.int32),
-            reshuffle=epoch_ends,
+            reshuffle=jnp.logical_or(state.reshuffle, epoch_ends),
         )
         return sample, jnp.ones([], jnp.bool_), new_state
 
