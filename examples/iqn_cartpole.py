@@ -11,7 +11,7 @@ What it shows:
 3. the quantile Huber loss between the predicted quantiles and the target quantiles
    :math:`R^{(n)} + \\gamma^n\\, Z_{\\tau'}(s_{t+n}, a^*)`, optimized with optax inside a
    picklable jitted update (``utils.jit``) that samples its batch from the buffer;
-4. greedy actions through ``utils.argmax`` (random tie breaking) on the mean over the
+4. greedy actions through ``utils.argmax`` (random tie breaking) on Q, the average of the
    sampled quantiles, with epsilon-greedy exploration from ``utils.StepwiseLinearFunction``.
 
 It prints progress while it trains, evaluates the greedy policy over 10 episodes at the end

@@ -10,7 +10,9 @@ What it shows:
    the compiled loop; much slower per step, the same code otherwise);
 2. a jittable prioritized replay buffer (``replay.make_prioritized_buffer``): its state is
    part of the loop carry, the TD errors go back as priorities, and the importance-weight
-   exponent :math:`\\beta` is annealed by a traced ``utils.StepwiseLinearFunction``;
+   exponent :math:`\\beta` is annealed by a traced ``utils.StepwiseLinearFunction``; the
+   buffer stores one-step transitions with their episode boundaries, and the update builds
+   3-step returns from the slots that follow each sampled one;
 3. the whole loop (act epsilon-greedily with ``utils.argmax``, step, add to replay, sample,
    double-DQN update, Polyak-averaged target network) inside ``jax.lax.scan`` under one
    ``utils.jit`` with the carry, replay buffer state included, donated, so the buffer is
@@ -42,6 +44,7 @@ from coax_utils.replay import make_prioritized_buffer
 from coax_utils.sources import GymnaxSource
 
 GAMMA = 0.99
+N_STEP = 3
 BATCH_SIZE = 64
 TARGET_TAU = 0.01
 
@@ -135,13 +138,39 @@ def policy_step(obs, policy_state, new_episode, key):
     return jnp.where(explore, random_action, greedy).astype(jnp.int32), policy_state
 
 
+def n_step_batch(buffer_state, indices):
+    """n-step transitions starting at the sampled slots ``indices``.
+
+    The buffer holds one-step transitions in insertion order, added with
+    ``episode_end=done``, so its state knows the episode of every slot. The next ``N_STEP``
+    slots after each sampled one are used as long as they belong to the same episode and
+    were already written; the return is bootstrapped from the last of them:
+    :math:`R = \\sum_k \\gamma^k r_{t+k}` and discount :math:`\\gamma^{k+1}` (0 when that last
+    step terminated the episode).
+    """
+    capacity = buffer_state.episode.shape[0]
+    offsets = jnp.arange(N_STEP, dtype=jnp.int32)
+    slots = (indices[:, None] + offsets) % capacity  # (batch, n)
+    written_after = (buffer_state.pos - 1 - indices) % capacity  # items added after each slot
+    same_episode = buffer_state.episode[slots] == buffer_state.episode[indices][:, None]
+    valid = (offsets <= written_after[:, None]) & same_episode
+    steps = jax.tree_util.tree_map(lambda x: x[slots], buffer_state.items)
+    rn = jnp.sum(jnp.where(valid, GAMMA**offsets * steps["r"], 0.0), axis=1)
+    last = jnp.sum(valid, axis=1) - 1  # the sampled step itself is always valid
+    s_next = jnp.take_along_axis(steps["s_next"], last[:, None, None], axis=1)[:, 0]
+    terminated = jnp.take_along_axis(steps["terminated"], last[:, None], axis=1)[:, 0]
+    discount = jnp.where(terminated, 0.0, GAMMA ** (last + 1).astype(jnp.float32))
+    first = jax.tree_util.tree_map(lambda x: x[:, 0], steps)
+    return {"s": first["s"], "a": first["a"], "rn": rn, "discount": discount, "s_next": s_next}
+
+
 def loss_fn(params, target_params, batch, weights):
     q = q_net.apply(params, batch["s"])
     q_sa = jnp.take_along_axis(q, batch["a"][:, None], axis=1)[:, 0]
+    # double DQN: the online network picks, the target network evaluates
     a_next = jnp.argmax(q_net.apply(params, batch["s_next"]), axis=1)
     q_next = jnp.take_along_axis(q_net.apply(target_params, batch["s_next"]), a_next[:, None], 1)
-    discount = GAMMA * (1.0 - batch["terminated"].astype(jnp.float32))
-    target = batch["r"] + discount * jax.lax.stop_gradient(q_next[:, 0])
+    target = batch["rn"] + batch["discount"] * jax.lax.stop_gradient(q_next[:, 0])
     td_error = target - q_sa
     return jnp.mean(weights * optax.huber_loss(td_error)), td_error
 
@@ -154,8 +183,9 @@ def make_train_chunk(source: GymnaxSource, chunk_size: int, warmup: int, total_s
 
     def learn(learner: Learner, buffer_state, key, step):
         sample = buffer.sample(buffer_state, key, BATCH_SIZE, beta=beta(step))
+        batch = n_step_batch(buffer_state, sample.indices)
         (loss, td_error), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            learner.params, learner.target_params, sample.items, sample.weights
+            learner.params, learner.target_params, batch, sample.weights
         )
         updates, opt_state = optimizer.update(grads, learner.opt_state, learner.params)
         params = optax.apply_updates(learner.params, updates)
@@ -180,9 +210,9 @@ def make_train_chunk(source: GymnaxSource, chunk_size: int, warmup: int, total_s
             "terminated": item["terminated"],  # a time limit (truncation) still bootstraps
             "s_next": s_next,
         }
-        buffer_state = buffer.add(
-            buffer_state, jax.tree_util.tree_map(lambda x: x[None], transition)
-        )
+        # one-step transitions; episode_end lets n_step_batch find the episode boundaries
+        items = jax.tree_util.tree_map(lambda x: x[None], transition)
+        buffer_state = buffer.add(buffer_state, items, episode_end=item["done"][None])
         step = step + 1
         ready = (step >= warmup) & buffer.can_sample(buffer_state, BATCH_SIZE)
         learner, buffer_state, loss = jax.lax.cond(
@@ -197,6 +227,35 @@ def make_train_chunk(source: GymnaxSource, chunk_size: int, warmup: int, total_s
         return jax.lax.scan(body, carry, jax.random.split(key, chunk_size))
 
     return utils.jit(train_chunk, donate_argnums=(0,))
+
+
+def make_evaluate_jax(num_episodes: int):
+    """A jitted ``(params, key) -> average return`` of the greedy policy over
+    ``num_episodes`` episodes of the pure-JAX CartPole, all run at once (vmap + scan)."""
+    env, env_params = CartPole(), CartPole.default_params
+
+    def episode(params, key):
+        obs, env_state = env.reset(key, env_params)
+
+        def body(carry, _):
+            obs, env_state, alive, total = carry
+            action = jnp.argmax(q_net.apply(params, obs))
+            obs, env_state, reward, terminated, truncated, _ = env.step(
+                key, env_state, action, env_params
+            )
+            total = total + jnp.where(alive, reward, 0.0)
+            alive = alive & ~(terminated | truncated)
+            return (obs, env_state, alive, total), None
+
+        carry = (obs, env_state, jnp.ones([], bool), jnp.zeros([], jnp.float32))
+        (_, _, _, total), _ = jax.lax.scan(body, carry, None, length=env_params.max_steps)
+        return total
+
+    def evaluate(params, key):
+        keys = jax.random.split(key, num_episodes)
+        return jnp.mean(jax.vmap(episode, in_axes=(None, 0))(params, keys))
+
+    return utils.jit(evaluate)
 
 
 def evaluate(params, num_episodes: int, seed: int) -> float:
@@ -230,6 +289,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-steps", type=int, default=40_000)
     parser.add_argument("--chunk-size", type=int, default=1_000)
+    parser.add_argument("--eval-every", type=int, default=5, help="chunks between evaluations")
+    parser.add_argument("--target-return", type=float, default=475.0)
     args = parser.parse_args()
 
     t_start = time.perf_counter()
@@ -278,6 +339,9 @@ def main() -> int:
     returns: list[float] = []
     t0 = time.perf_counter()
     log_every = 1 if args.smoke else 5
+    eval_every = 1 if args.smoke else args.eval_every
+    evaluate_jax = make_evaluate_jax(num_episodes=10)
+    best_avg, best_params = -np.inf, None
     for chunk in range(1, num_chunks + 1):
         key, chunk_key = jax.random.split(key)
         carry, (done, ep_return, loss) = train_chunk(carry, chunk_key)
@@ -293,19 +357,34 @@ def main() -> int:
                 f"{steps / (time.perf_counter() - t0):6.0f} steps/s",
                 flush=True,
             )
+        if chunk % eval_every == 0 or chunk == num_chunks:
+            # DQN's greedy policy on CartPole can get worse again late in training: keep the
+            # best one seen. The next chunk donates (and so deletes) the carry's arrays, so
+            # keep a copy.
+            key, eval_key = jax.random.split(key)
+            avg = float(evaluate_jax(carry[2].params, eval_key))
+            if avg > best_avg:
+                best_avg = avg
+                best_params = jax.tree_util.tree_map(jnp.copy, carry[2].params)
+            print(f"   greedy evaluation (10 episodes of the JAX CartPole): {avg:.1f}")
+            if avg >= args.target_return:
+                break
 
-    learner = carry[2]
     num_eval = 2 if args.smoke else 10
-    avg = evaluate(learner.params, num_episodes=num_eval, seed=10_000)
+    avg = evaluate(best_params, num_episodes=num_eval, seed=10_000)
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     _, buffer_state, learner, step, _ = carry
     checkpoint = outdir / "state.pkl.lz4"
-    utils.dump({"learner": learner, "buffer": buffer_state, "step": step}, checkpoint)
+    utils.dump(
+        {"learner": learner, "best_params": best_params, "buffer": buffer_state, "step": step},
+        checkpoint,
+    )
     elapsed = time.perf_counter() - t_start
     print(
         f"evaluation: average return {avg:.1f} over {num_eval} greedy episodes of gymnasium's "
-        f"CartPole-v1 after {total_steps} steps ({elapsed:.0f} s); checkpoint in {checkpoint}"
+        f"CartPole-v1 with the best parameters, after {int(step)} steps ({elapsed:.0f} s); "
+        f"checkpoint in {checkpoint}"
     )
     if args.smoke:
         print("smoke run OK")

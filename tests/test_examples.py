@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import pathlib
 import subprocess
 import sys
 
+import hypothesis.strategies as st
 import jax
+import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from coax_utils import utils
+from coax_utils.replay import make_prioritized_buffer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -74,3 +80,63 @@ def test_jitted_dqn_smoke(tmp_path, env):
     # 300 collected transitions went through the donated, jitted prioritized buffer
     assert int(state["step"]) == 300
     assert int(state["buffer"].size) == 300
+
+
+@functools.cache
+def _load_jitted_dqn():
+    path = ROOT / "examples" / "jitted_dqn.py"
+    spec = importlib.util.spec_from_file_location("example_jitted_dqn", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    dones=st.lists(st.booleans(), min_size=1, max_size=12),
+    capacity=st.integers(min_value=1, max_value=8),
+)
+def test_jitted_dqn_n_step_batch_matches_a_naive_oracle(dones, capacity):
+    jdqn = _load_jitted_dqn()
+    gamma, n = jdqn.GAMMA, jdqn.N_STEP
+    buffer = make_prioritized_buffer(capacity)
+    example = {
+        "s": np.zeros(1, np.float32),
+        "a": np.int32(0),
+        "r": np.float32(0.0),
+        "terminated": np.bool_(False),
+        "s_next": np.zeros(1, np.float32),
+    }
+    state = buffer.init(example)
+    # step t has reward t + 1 and next state t + 1; the episode ends (terminated) where done
+    history = []
+    for t, done in enumerate(dones):
+        item = {
+            "s": np.full((1, 1), t, np.float32),
+            "a": np.zeros(1, np.int32),
+            "r": np.full(1, t + 1, np.float32),
+            "terminated": np.full(1, done),
+            "s_next": np.full((1, 1), t + 1, np.float32),
+        }
+        state = buffer.add(state, item, episode_end=np.full(1, done))
+        history.append((t + 1.0, done))
+    stored = list(range(max(0, len(dones) - capacity), len(dones)))  # steps still in the buffer
+    slots = np.array([t % capacity for t in stored], np.int32)
+    batch = jdqn.n_step_batch(state, slots)
+
+    for row, t in enumerate(stored):
+        rn, discount, k = 0.0, 0.0, 0
+        while True:  # the oracle: walk forward in time within the episode and the buffer
+            r, done = history[t + k]
+            rn += gamma**k * r
+            k += 1
+            if done:
+                discount = 0.0
+                break
+            discount = gamma**k
+            if k == n or t + k >= len(history):
+                break
+        np.testing.assert_allclose(batch["s"][row, 0], t)
+        np.testing.assert_allclose(batch["rn"][row], rn, rtol=1e-5)
+        np.testing.assert_allclose(batch["discount"][row], discount, rtol=1e-5)
+        np.testing.assert_allclose(batch["s_next"][row, 0], t + k)
