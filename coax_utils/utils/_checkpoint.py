@@ -44,7 +44,10 @@ __all__ = ["dump", "dumps", "load", "loads"]
 MAGIC = b"\x89COAXCK\n"
 END_MAGIC = b"\nKCXAOC\x89"
 FORMAT_VERSION = 1
-CHUNK_SIZE = 4 << 20  # bytes of raw data per compressed chunk
+# Bytes of raw data per compressed chunk. Each chunk starts without an lz4 history, which
+# costs about 1 KB of output on compressible data: at 16 MiB that is less than what the block
+# headers of an lz4 frame cost (coax's format), and still many chunks for the threads.
+CHUNK_SIZE = 16 << 20
 INBAND_LIMIT = 64 << 10  # array buffers smaller than this stay inside the pickle stream
 MAX_THREADS = 4
 
@@ -159,13 +162,13 @@ _END = object()
 def _map_ordered(fn: Callable[[Any], Any], items: list[Any], nbytes: int) -> Iterator[Any]:
     """``map(fn, items)`` on a few threads (lz4 and crc32 release the GIL), results in order."""
     workers = min(_num_threads(), len(items))
-    if workers < 2 or nbytes < 2 * CHUNK_SIZE:
+    if workers < 2 or nbytes < min(2 * CHUNK_SIZE, 1 << 20):  # threads would not pay off
         yield from map(fn, items)
         return
     pool = concurrent.futures.ThreadPoolExecutor(workers)
     try:
         it = iter(items)
-        pending = collections.deque(pool.submit(fn, x) for _, x in zip(range(3 * workers), it))
+        pending = collections.deque(pool.submit(fn, x) for _, x in zip(range(2 * workers), it))
         while pending:
             result = pending.popleft().result()
             nxt = next(it, _END)
