@@ -452,6 +452,7 @@ _SAFE_GLOBALS = frozenset(
         ("numpy.core.multiarray", "scalar"),
         ("numpy._core.numeric", "_frombuffer"),
         ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core._internal", "_convert_to_stringdtype_kwargs"),  # StringDType
         ("numpy.random._pickle", "__randomstate_ctor"),
         ("numpy.random._pickle", "__generator_ctor"),
         ("numpy.random._pickle", "__bit_generator_ctor"),

@@ -200,6 +200,7 @@ def test_layouts_dtypes_and_flags():
         "datetime": np.array(["2024-01-01", "2025-06-30"], dtype="datetime64[D]"),
         "structured": np.zeros(3, dtype=[("a", "<i4"), ("b", ">f8")]),
         "strings": np.array(["ab", "cde"]),
+        "string_dtype": np.array(["a", "bb", ""], dtype=np.dtypes.StringDType()),
         "object": np.array([1, "a", None, [2]], dtype=object),
         "empty": np.zeros((0, 4), np.int16),
         "zero_d": np.array(3.5, np.float32),
@@ -209,7 +210,7 @@ def test_layouts_dtypes_and_flags():
         "jax_weak": jnp.asarray(2.0),
         "jax_empty": jnp.zeros((3, 0)),
     }
-    restored = utils.loads(utils.dumps(obj))
+    restored = utils.loads(utils.dumps(obj), safe=True)
     for name, x in obj.items():
         y = restored[name]
         assert type(y) is type(x) or (isinstance(x, jax.Array) and isinstance(y, jax.Array))
