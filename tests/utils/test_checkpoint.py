@@ -510,6 +510,14 @@ KILLED_CHILD = textwrap.dedent(
 )
 
 
+def open_files(pid):
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):  # closed in the meantime
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return links
+
+
 def test_dump_killed_with_sigkill_leaves_old_file_and_no_temp_file(tmp_path):
     path = tmp_path / "ckpt.lz4"
     utils.dump({"version": "old"}, path)
@@ -518,16 +526,9 @@ def test_dump_killed_with_sigkill_leaves_old_file_and_no_temp_file(tmp_path):
     )
     try:
         assert child.stdout.readline().strip() == "dumping"
-        # the child holds its (unnamed) temp file in tmp_path open right now
-        links = [
-            os.readlink(f"/proc/{child.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{child.pid}/fd")
-        ]
-        temp = [
-            link
-            for link in links
-            if link.startswith(str(tmp_path)) and not link.endswith("ckpt.lz4")
-        ]
-        assert temp, links
+        # the child holds its temp file in tmp_path open right now, and the file has no name
+        temp = [link for link in open_files(child.pid) if link.startswith(str(tmp_path))]
+        assert len(temp) == 1 and temp[0].endswith("(deleted)"), temp
         child.send_signal(signal.SIGKILL)
     finally:
         child.kill()
