@@ -290,3 +290,12 @@ def test_no_drift_after_many_updates():
     state = many_updates(state, jax.random.key(0))
     leaves = np.asarray(sum_tree_values(state), np.float64)
     np.testing.assert_allclose(float(sum_tree_total(state)), leaves.sum(), rtol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(-2, 6), min_size=0, max_size=12))
+def test_last_write_mask_marks_the_last_occurrence(indices):
+    # the accelerator path relies on this mask: scatters with duplicates have no defined order
+    mask = np.asarray(_segment_tree_fn._last_write_mask(jnp.asarray(indices, jnp.int32)))
+    expected = [i not in indices[p + 1 :] for p, i in enumerate(indices)]
+    np.testing.assert_array_equal(mask, np.array(expected, bool))
