@@ -35,6 +35,7 @@ import optax
 import zstandard
 
 from coax_utils import utils
+from coax_utils.utils import _checkpoint
 
 
 def load_coax_misc() -> types.ModuleType:
@@ -126,6 +127,20 @@ def zstd_load(path):
         return zstd_loads(f.read())
 
 
+def one_thread(fn):
+    """``fn`` run with coax_utils limited to one thread (what the threads add)."""
+
+    def wrapped(*args):
+        saved = _checkpoint.MAX_THREADS
+        _checkpoint.MAX_THREADS = 1
+        try:
+            return fn(*args)
+        finally:
+            _checkpoint.MAX_THREADS = saved
+
+    return wrapped
+
+
 def dump_without_fsync(obj, path) -> None:
     """utils.dump with os.fsync stubbed out: shows what durability costs (coax never fsyncs)."""
     real = os.fsync
@@ -190,7 +205,7 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"checkpoint: {size / 1e6:.0f} MB of arrays, {os.cpu_count()} CPUs, "
-        f"{utils._checkpoint._num_threads()} threads, repeats={repeats}, load average {load:.1f}"
+        f"{_checkpoint._num_threads()} threads, repeats={repeats}, load average {load:.1f}"
     )
 
     blobs = {
@@ -199,6 +214,7 @@ def main() -> None:
         "zstd-1 (2 threads)": zstd_dumps(obj),
     }
     sizes = {k: len(v) for k, v in blobs.items()}
+    sizes["coax_utils 1 thread"] = sizes["coax_utils"]
     assert_same(coax.loads(blobs["coax"]), obj)
     assert_same(utils.loads(blobs["coax_utils"]), obj)
     assert_same(utils.loads(blobs["coax_utils"], safe=True), obj)
@@ -210,6 +226,7 @@ def main() -> None:
         {
             "coax": lambda: coax.dumps(obj),
             "coax_utils": lambda: utils.dumps(obj),
+            "coax_utils 1 thread": lambda: one_thread(utils.dumps)(obj),
             "zstd-1 (2 threads)": lambda: zstd_dumps(obj),
         },
         repeats,
@@ -219,6 +236,7 @@ def main() -> None:
         {
             "coax": lambda: coax.loads(blobs["coax"]),
             "coax_utils": lambda: utils.loads(blobs["coax_utils"]),
+            "coax_utils 1 thread": lambda: one_thread(utils.loads)(blobs["coax_utils"]),
             "zstd-1 (2 threads)": lambda: zstd_loads(blobs["zstd-1 (2 threads)"]),
         },
         repeats,
