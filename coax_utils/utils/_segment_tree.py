@@ -165,6 +165,8 @@ class SegmentTree:
 
     def _check_idx_values(self, idx: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
         """Turn (idx, values) into a fresh int64 index array and a float64 value array."""
+        if not isinstance(idx, np.ndarray) and not _is_int(idx) and hasattr(idx, "__array__"):
+            idx = np.asarray(idx)  # e.g. a jax.Array
         if idx is None or idx is Ellipsis:
             idx = np.arange(self.capacity, dtype=np.int64)
         elif _is_int(idx):
@@ -287,7 +289,7 @@ class SegmentTree:
         IndexError
             If a range is empty, reversed or out of bounds.
         """
-        scalar = _is_int(start) and (stop is None or _is_int(stop))
+        scalar = np.ndim(start) == 0 and (stop is None or np.ndim(stop) == 0)
         start_arr = self._check_bound("start", start)
         stop_arr = (
             np.full_like(start_arr, self.capacity)
@@ -329,6 +331,10 @@ class SegmentTree:
             return np.array([x], dtype=np.int64)
         if isinstance(x, list) and all(_is_int(i) for i in x):
             x = np.array(x, dtype=np.int64)
+        if not isinstance(x, np.ndarray) and hasattr(x, "__array__"):  # e.g. a jax.Array
+            x = np.asarray(x)
+            if x.ndim == 0 and np.issubdtype(x.dtype, np.integer):
+                return x.reshape(1).astype(np.int64)
         if isinstance(x, np.ndarray) and x.ndim == 1 and np.issubdtype(x.dtype, np.integer):
             return x.astype(np.int64)
         raise TypeError(f"{name} must be an int or a 1-d integer array, got {x!r}")

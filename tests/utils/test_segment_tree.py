@@ -366,3 +366,19 @@ def test_pickle_round_trip_keeps_values_and_rng_stream():
     np.testing.assert_array_equal(clone.sample(50), tree.sample(50))
     clone.set_values(0, 5.0)
     assert tree[-1, 0] == 0.0
+
+
+def test_accepts_jax_arrays(backend):
+    import jax.numpy as jnp
+
+    tree = SumTree(6)
+    tree.set_values(jnp.arange(6), jnp.arange(6.0))
+    tree.set_values(jnp.array([0, 0]), jnp.array([4.0, 2.0]))
+    assert tree.values.tolist() == [2.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    np.testing.assert_array_equal(
+        tree.partial_reduce(jnp.array([0, 2]), jnp.array([2, 6])), [3.0, 14.0]
+    )
+    assert np.ndim(tree.partial_reduce(jnp.int32(1), 3)) == 0
+    assert tree.partial_reduce(jnp.int32(1), 3) == 3.0
+    with pytest.raises(IndexError):
+        tree.set_values(jnp.array([0.5]), 1.0)
