@@ -113,6 +113,8 @@ class SegmentTree:
         self._num_leaves = 1 << (self._height - 1)
         self._arr = np.full(2 * self._num_leaves, self.init_value, dtype=np.float64)
         self._op = _OPS.get(reducer, -1)
+        # element-wise form of the reducer for the NumPy code (builtin min/max are not)
+        self._ufunc = (np.add, np.minimum, np.maximum)[self._op] if self._op >= 0 else reducer
         self._nonneg_finite = False
 
     # -- properties and lookups --------------------------------------------------------------
@@ -259,7 +261,7 @@ class SegmentTree:
         nodes = uniq + self._num_leaves
         for _ in range(self._height - 1):
             nodes = np.unique(nodes >> 1)
-            self._arr[nodes] = self.reducer(self._arr[2 * nodes], self._arr[2 * nodes + 1])
+            self._arr[nodes] = self._ufunc(self._arr[2 * nodes], self._arr[2 * nodes + 1])
 
     # -- reductions --------------------------------------------------------------------------
 
@@ -346,11 +348,11 @@ class SegmentTree:
         acc = np.full(lo.shape, self.init_value)
         for _ in range(self._height):
             take = (lo < hi) & (lo % 2 == 1)
-            acc = np.where(take, self.reducer(acc, arr.take(lo, mode="clip")), acc)
+            acc = np.where(take, self._ufunc(acc, arr.take(lo, mode="clip")), acc)
             lo = lo + take
             take = (lo < hi) & (hi % 2 == 1)
             hi = hi - take
-            acc = np.where(take, self.reducer(acc, arr.take(hi, mode="clip")), acc)
+            acc = np.where(take, self._ufunc(acc, arr.take(hi, mode="clip")), acc)
             lo, hi = lo >> 1, hi >> 1
         return acc
 

@@ -1,6 +1,7 @@
 """Tests of the host-side segment trees against naive NumPy oracles (numba and NumPy paths)."""
 
 import functools
+import operator
 import pickle
 
 import numpy as np
@@ -382,3 +383,11 @@ def test_accepts_jax_arrays(backend):
     assert tree.partial_reduce(jnp.int32(1), 3) == 3.0
     with pytest.raises(IndexError):
         tree.set_values(jnp.array([0.5]), 1.0)
+
+
+@pytest.mark.parametrize("reducer, expected", [(min, 1.0), (max, 7.0), (operator.add, 13.0)])
+def test_builtin_reducers(backend, reducer, expected):
+    tree = SegmentTree(3, reducer, {min: np.inf, max: -np.inf}.get(reducer, 0.0))
+    tree.set_values(..., [5.0, 1.0, 7.0])
+    assert tree.root_value == expected
+    assert tree.partial_reduce(0, 3) == expected
