@@ -2,7 +2,7 @@
 
 import collections
 import contextlib
-import io
+import json
 import os
 import pathlib
 import pickle
@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import zlib
 
 import cloudpickle
@@ -461,7 +462,7 @@ def test_failed_dump_keeps_the_old_file_and_leaves_no_temp_file(
         monkeypatch.setattr(_checkpoint, "_write_unnamed", lambda *args: None)
 
     with pytest.raises(TypeError):  # unpicklable: fails before the file system is touched
-        utils.dump({"version": "new", "lock": __import__("threading").Lock()}, path)
+        utils.dump({"version": "new", "lock": threading.Lock()}, path)
     calls = fail_after_first_chunk(monkeypatch)
     with small_chunks(), pytest.raises(OSError, match="disk on fire"):  # fails while writing
         utils.dump({"version": "new", "data": np.arange(10_000)}, path)
@@ -691,7 +692,7 @@ def test_docstrings_warn_about_trust_and_references():
 def test_metadata_block_is_json_with_format_details():
     s = utils.dumps(1)
     meta_len = int.from_bytes(s[12:16], "little")
-    meta = __import__("json").load(io.BytesIO(s[16 : 16 + meta_len]))
+    meta = json.loads(s[16 : 16 + meta_len])
     assert meta["codec"] == "lz4.block" and meta["checksum"] == "crc32"
     assert meta["pickle_protocol"] == 5 and meta["chunk_size"] == _checkpoint.CHUNK_SIZE
     assert int.from_bytes(s[8:12], "little") == _checkpoint.FORMAT_VERSION
