@@ -111,9 +111,10 @@ def refresh_order(
 ) -> tuple[jax.Array, jax.Array]:
     """``(order, key)`` to read from now: a fresh permutation when ``reshuffle`` is set.
 
-    Call this before anything reads ``order``: on XLA:CPU a conditional whose untaken
-    branch passes an array through copies that array when it was read before the
-    conditional, which would cost O(n) per step. Sequential orders never change.
+    Call this before anything reads ``order``, with ``reshuffle`` a state flag set by the
+    previous step. Structured otherwise (the conditional after a read of ``order``, or its
+    predicate computed from the position), XLA:CPU was measured to copy ``order`` on every
+    step, O(n) per item. Sequential orders never change.
     """
     if not shuffle:
         return order, key
