@@ -201,8 +201,9 @@ def make_train_chunk(source: GymnaxSource, chunk_size: int, warmup: int, total_s
         eps = jnp.asarray(epsilon(step), jnp.float32)
         source_state = source_state.replace(policy_state=(learner.params, eps))
         item, _, source_state = source.next(source_state)
-        # GymnasiumToJax resets inside step and reports the last observation in the info
-        s_next = item["info"].get("final_obs", item["next_state"])
+        # next_state is the true last observation at an episode end (the source steps
+        # without autoreset and resets the env itself)
+        s_next = item["next_state"]
         transition = {
             "s": item["state"],
             "a": item["action"],

@@ -76,11 +76,11 @@ class GymnaxSource:
     when needed, so host-backed environments see no extra resets. The mask of every item
     is a scalar ``True``.
 
-    ``next_state`` is the observation ``env.step`` returns. Environments whose ``step``
-    resets a finished episode itself (gymnax's ``Environment.step``,
-    :class:`coax_utils.envs.GymnasiumToJax`) return the next episode's first observation
-    there; :class:`~coax_utils.envs.GymnasiumToJax` reports the real last observation in
-    ``info["final_obs"]``.
+    When the environment has a ``step_env`` method with the same signature (gymnax's
+    ``Environment``, :class:`coax_utils.envs.GymnasiumToJax`), it is used instead of
+    ``step``: ``step_env`` does not reset a finished episode by itself, so ``next_state`` is
+    the real last observation of the episode (what bootstrapping after a truncation needs),
+    and the source does the one reset.
 
     Parameters
     ----------
@@ -99,7 +99,7 @@ class GymnaxSource:
     ------
     ValueError
         If ``steps_per_epoch`` is not positive, ``policy_state_template`` is None, or
-        ``env.step`` returns neither 5 nor 6 values.
+        the step function returns neither 5 nor 6 values.
     TypeError
         If ``policy_step_fn`` is not callable.
 
@@ -151,11 +151,13 @@ class GymnaxSource:
         self._env_params = env_params
         self._policy_step_fn = policy_step_fn
         self._six_tuple = False
+        # step_env (no autoreset) keeps the true last observation of an episode.
+        self._step = getattr(env, "step_env", None) or env.step
 
         def first_step(key: jax.Array, policy_state: PyTree) -> tuple[Any, ...]:
             obs, env_state = env.reset(key, env_params)
             action, _ = policy_step_fn(obs, policy_state, jnp.ones([], jnp.bool_), key)
-            return obs, action, tuple(env.step(key, env_state, action, env_params))
+            return obs, action, tuple(self._step(key, env_state, action, env_params))
 
         key = jax.random.key(0)
         num_outputs = len(jax.eval_shape(first_step, key, policy_state_template)[2])
@@ -261,7 +263,7 @@ class GymnaxSource:
         action, policy_state = self._policy_step_fn(
             state.obs, state.policy_state, state.new_episode, policy_key
         )
-        step_out = tuple(self._env.step(step_key, state.env_state, action, self._env_params))
+        step_out = tuple(self._step(step_key, state.env_state, action, self._env_params))
         transition = self._transition(state.obs, action, step_out)
         next_obs, next_env_state = step_out[0], step_out[1]
         done = jnp.reshape(jnp.asarray(transition["done"], jnp.bool_), ())
