@@ -16,7 +16,39 @@ from coax_utils.replay._transition import TransitionBatch
 __all__ = ["PrioritizedReplayBuffer", "SequenceSample", "SimpleReplayBuffer"]
 
 _FORMAT_VERSION = 1
-_RECYCLE_BYTES = 1 << 20  # outputs of at least this size recycle unreferenced memory
+_LARGE_BYTES = 1 << 20  # sampled leaves of this size recycle memory and copy in threads
+_MAX_THREADS = 4
+_pool: Any = None
+
+
+def _parallel_take(chunks: list) -> None:
+    """``np.take`` of large leaves, split into row blocks copied by a few threads.
+
+    One thread does not reach the memory bandwidth when gathering scattered rows (each row is
+    a separate copy); ``np.take`` releases the GIL, so a few threads copy concurrently.
+    """
+    global _pool
+    workers = min(_MAX_THREADS, os.cpu_count() or 1)
+    pieces = []
+    per_leaf = max(1, -(-workers // len(chunks)))
+    for arr, slots, out in chunks:
+        bounds = np.linspace(0, len(slots), per_leaf + 1).astype(int)
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if hi > lo:
+                pieces.append((arr, slots[lo:hi], out[lo:hi]))
+    if workers == 1 or len(pieces) == 1:
+        for arr, idx, out in pieces:
+            np.take(arr, idx, axis=0, out=out, mode="clip")
+        return
+    if _pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="replay-gather")
+    futures = [_pool.submit(np.take, arr, idx, 0, out, "clip") for arr, idx, out in pieces[1:]]
+    arr, idx, out = pieces[0]
+    np.take(arr, idx, axis=0, out=out, mode="clip")
+    for future in futures:
+        future.result()
 
 
 @pytree_dataclass
@@ -193,8 +225,8 @@ class _RingStorage:
             self._episode_counter += int(ends.sum())
         return slots, ids
 
-    def _take(self, i: int, arr: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """``arr[slots]`` as a fresh array; large outputs recycle an unreferenced one.
+    def _output(self, i: int, arr: np.ndarray, n: int) -> np.ndarray:
+        """An array for ``n`` rows of leaf ``i``: fresh, or recycled when unreferenced.
 
         Filling fresh memory costs page faults that can double the time of a large gather
         (e.g. a batch of Atari frames). The last output of each large leaf is kept; when the
@@ -202,18 +234,26 @@ class _RingStorage:
         writes into it instead of allocating. A batch that is still referenced is never
         overwritten.
         """
-        if arr[:1].nbytes * len(slots) < _RECYCLE_BYTES:
-            return np.take(arr, slots, axis=0, mode="clip")
         out = self._recycle.get(i)
         # references: the dict, the local name and getrefcount's argument
-        if out is not None and out.shape[0] == len(slots) and sys.getrefcount(out) == 3:
-            return np.take(arr, slots, axis=0, out=out, mode="clip")
-        out = np.take(arr, slots, axis=0, mode="clip")
+        if out is not None and out.shape[0] == n and sys.getrefcount(out) == 3:
+            return out
+        out = np.empty((n,) + arr.shape[1:], arr.dtype)
         self._recycle[i] = out
         return out
 
     def _gather(self, slots: np.ndarray, W: np.ndarray | None = None) -> TransitionBatch:
-        leaves = [self._take(i, arr, slots) for i, arr in enumerate(self._storage)]
+        n = len(slots)
+        leaves: list = [None] * len(self._storage)
+        chunks = []  # large leaves: (storage, slots, out) pieces, copied by several threads
+        for i, arr in enumerate(self._storage):
+            if arr[:1].nbytes * n < _LARGE_BYTES:
+                leaves[i] = np.take(arr, slots, axis=0, mode="clip")
+            else:
+                leaves[i] = out = self._output(i, arr, n)
+                chunks.append((arr, slots, out))
+        if chunks:
+            _parallel_take(chunks)
         if W is not None:
             leaves[self._w_pos] = leaves[self._w_pos] * W.astype(leaves[self._w_pos].dtype)
         leaves.insert(self._idx_pos, np.take(self._ids, slots, mode="clip"))
