@@ -399,6 +399,10 @@ def _parse(source: Any) -> tuple[int, list[tuple[int, list[tuple[int, int, int]]
     for n, chunks in segments:
         if chunk_size <= 0 or len(chunks) != -(-n // chunk_size):
             raise _Corrupt("index chunk count inconsistent with segment size")
+        for i, (k, _, _) in enumerate(chunks):
+            # lz4 expands at most ~255x: refuse to allocate what no stored chunk can fill
+            if min(chunk_size, n - i * chunk_size) > 256 * k + 64:
+                raise _Corrupt("index claims more data than the stored chunks can hold")
         stored += sum(k for k, _, _ in chunks)
     if not segments or body_start + stored != index_offset:
         raise _Corrupt("index inconsistent with the body length")
