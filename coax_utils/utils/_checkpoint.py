@@ -21,11 +21,13 @@ import concurrent.futures
 import functools
 import io
 import json
+import mmap
 import os
 import pickle
 import platform
 import secrets
 import struct
+import sys
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -308,6 +310,103 @@ def _encode(stream: memoryview, buffers: list[memoryview]) -> Iterator[Any]:
     yield index
     fields = struct.pack("<QQI", offset, len(index), zlib.crc32(index))
     yield _FOOTER.pack(offset, len(index), zlib.crc32(index), zlib.crc32(fields), END_MAGIC)
+
+
+# -- assembling the result of dumps ---------------------------------------------------------
+
+# Results smaller than this are joined with b"".join; the in-place path pays off above it.
+_DIRECT_JOIN_MIN = 1 << 20
+
+
+@functools.cache
+def _bytes_api() -> tuple[Callable[[int], bytes], Callable[[bytes], int]] | None:
+    """(make a new uninitialized ``bytes`` of n bytes, address of a ``bytes``' data) or None.
+
+    CPython's ``PyBytes_FromStringAndSize(NULL, n)`` returns a ``bytes`` object whose contents
+    the caller fills before anyone else sees it (what C extensions do). Called through
+    ctypes, it lets :func:`_join` copy the pieces of a checkpoint straight into the result, on
+    threads, into memory advised for huge pages. None (use ``b"".join``) on other Pythons or
+    when a self-test fails.
+    """
+    if sys.implementation.name != "cpython":
+        return None
+    import ctypes
+
+    try:
+        # item access makes private function objects: the shared ones in ctypes.pythonapi
+        # keep their default signatures
+        new = ctypes.pythonapi["PyBytes_FromStringAndSize"]
+        data = ctypes.pythonapi["PyBytes_AsString"]
+    except (AttributeError, OSError):
+        return None
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_ssize_t]
+    data.restype, data.argtypes = ctypes.c_void_p, [ctypes.py_object]
+    sample = bytes(range(256)) * 4
+    try:
+        out = new(None, len(sample))
+        ctypes.memmove(data(out), sample, len(sample))
+    except Exception:  # any failure means: use b"".join
+        return None
+    if type(out) is not bytes or out != sample or hash(out) != hash(sample):
+        return None
+    return functools.partial(new, None), data
+
+
+@functools.cache
+def _advise_huge_pages() -> Callable[[int, int], Any] | None:
+    """``madvise(MADV_HUGEPAGE)`` where Linux offers it (else None).
+
+    A new 176 MB result costs 43,000 page faults of 4 KiB (about 70 ms); with transparent
+    huge pages it takes 88. numpy advises the same for every array of 4 MiB or more.
+    """
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True)["madvise"]
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return lambda address, n: fn(address, n, advice)
+
+
+def _copy(job: tuple[int, np.ndarray]) -> None:
+    import ctypes
+
+    dest, src = job
+    ctypes.memmove(dest, _address(src), src.size)  # releases the GIL
+
+
+def _join(pieces: list[Any]) -> bytes:
+    """``b"".join(pieces)``, faster for large results.
+
+    The result is made at its final size, its memory advised for huge pages, and the pieces
+    are copied into it on a few threads before it is returned.
+    """
+    views = [memoryview(p).cast("B") for p in pieces]
+    total = sum(v.nbytes for v in views)
+    api = _bytes_api() if total >= _DIRECT_JOIN_MIN else None
+    if api is None:
+        return b"".join(views)
+    new, data = api
+    out = new(total)
+    start = data(out)
+    advise = _advise_huge_pages()
+    if advise is not None:
+        page = mmap.PAGESIZE  # advise whole pages of the result only
+        first, end = -(-start // page) * page, (start + total) // page * page
+        if end > first:
+            advise(first, end - first)  # a hint: the result is correct either way
+    jobs, pos = [], start
+    for v in views:
+        if v.nbytes:
+            jobs.append((pos, np.frombuffer(v, np.uint8)))
+        pos += v.nbytes
+    for _ in _map_ordered(_copy, jobs, total):
+        pass
+    return out
 
 
 # -- decoding ------------------------------------------------------------------------------
@@ -682,10 +781,7 @@ def dumps(obj: Any) -> bytes:
     (3, dtype('float32'), (2, 3))
     """
     stream, buffers = _pickle(obj)
-    out = io.BytesIO()  # written while the threads compress; getvalue() does not copy
-    for piece in _encode(stream, buffers):
-        out.write(piece)
-    return out.getvalue()
+    return _join(list(_encode(stream, buffers)))
 
 
 @_with_warning(

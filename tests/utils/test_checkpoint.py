@@ -146,6 +146,44 @@ def test_file_holds_the_same_bytes_as_dumps_and_output_is_deterministic(tmp_path
     assert multi.startswith(_checkpoint.MAGIC)
 
 
+@pytest.mark.parametrize("fast_join", [True, False])
+def test_join_builds_the_same_bytes_as_bytes_join(fast_join, monkeypatch):
+    rng = np.random.default_rng(3)
+    arr = rng.integers(0, 255, 3 << 20, dtype=np.uint8)
+    pieces = [
+        b"header",
+        memoryview(arr)[: 1 << 20],  # a view of array memory
+        b"",
+        arr[(1 << 20) + 5 :],  # a numpy array
+        memoryview(rng.random(1000)).cast("B"),  # float memory, viewed as bytes
+        bytearray(b"index"),
+    ]
+    expected = b"".join(bytes(memoryview(p).cast("B")) for p in pieces)
+    if not fast_join:
+        monkeypatch.setattr(_checkpoint, "_bytes_api", lambda: None)
+    monkeypatch.setattr(_checkpoint, "MAX_THREADS", 2)
+    for join_min in (0, 1 << 20, 1 << 30):  # threads, threads above 1 MiB, b"".join only
+        monkeypatch.setattr(_checkpoint, "_DIRECT_JOIN_MIN", join_min)
+        out = _checkpoint._join(pieces)
+        assert type(out) is bytes and out == expected
+        assert hash(out) == hash(expected)
+        assert _checkpoint._join([b"", b""]) == b""
+
+
+def test_large_dumps_is_bytes_and_matches_the_file(tmp_path):
+    rng = np.random.default_rng(4)
+    obj = {
+        "frames": np.repeat(rng.integers(0, 255, (40, 1 << 14), dtype=np.uint8), 4, 0),
+        "noise": rng.random(200_000),  # 1.6 MB that lz4 cannot shrink (stored as is)
+    }
+    with small_chunks(chunk_size=1 << 18, threads=2):
+        s = utils.dumps(obj)
+        utils.dump(obj, tmp_path / "f.ckpt")
+    assert type(s) is bytes and len(s) > _checkpoint._DIRECT_JOIN_MIN
+    assert (tmp_path / "f.ckpt").read_bytes() == s
+    assert_tree_equal(utils.loads(s), obj)
+
+
 @pytest.mark.parametrize("writer_native", [True, False])
 @pytest.mark.parametrize("reader_native", [True, False])
 def test_ctypes_and_python_lz4_paths_read_each_other(writer_native, reader_native, tmp_path):
