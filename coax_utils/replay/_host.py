@@ -40,11 +40,11 @@ def _parallel_take(chunks: list) -> None:
         for arr, idx, out in pieces:
             np.take(arr, idx, axis=0, out=out, mode="clip")
         return
-    if _pool is None:
+    if _pool is None or _pool[0] != os.getpid():  # a forked child needs its own threads
         from concurrent.futures import ThreadPoolExecutor
 
-        _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="replay-gather")
-    futures = [_pool.submit(np.take, arr, idx, 0, out, "clip") for arr, idx, out in pieces[1:]]
+        _pool = (os.getpid(), ThreadPoolExecutor(workers, thread_name_prefix="replay-gather"))
+    futures = [_pool[1].submit(np.take, arr, idx, 0, out, "clip") for arr, idx, out in pieces[1:]]
     arr, idx, out = pieces[0]
     np.take(arr, idx, axis=0, out=out, mode="clip")
     for future in futures:

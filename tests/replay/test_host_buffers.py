@@ -252,3 +252,30 @@ def test_large_samples_never_overwrite_a_batch_still_in_use():
     np.testing.assert_array_equal(first.S, kept)
     np.testing.assert_array_equal(view, kept_view)
     check(first)
+
+
+def test_large_samples_work_in_a_forked_child():
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import os, numpy as np
+        from coax_utils.replay import SimpleReplayBuffer, TransitionBatch
+        n = 64
+        f, z = np.ones((n, 128, 128), np.uint8), np.zeros(n, np.float32)
+        b = SimpleReplayBuffer(n, random_seed=0)
+        b.add(TransitionBatch(S=f, A=np.arange(n), logP=z, Rn=z, In=z, S_next=f))
+        b.sample(128)  # starts the copy threads in the parent
+        pid = os.fork()
+        if pid == 0:
+            b.sample(128)
+            os._exit(7)
+        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "7"
