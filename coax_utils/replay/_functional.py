@@ -226,11 +226,36 @@ def _write(state: Any, items: Any, episode_end: Any, capacity: int) -> tuple[Any
     return new, slots
 
 
+_ROW_LOOP_MAX_BYTES = 1024  # per-item size up to which CPU samples copy rows in a loop
+_ROW_LOOP_MAX_ROWS = 8192
+
+
 def _gather(storage: Any, slots: jax.Array) -> Any:
-    return jax.tree_util.tree_map(
-        lambda s: s.at[slots].get(mode="promise_in_bounds"),
-        storage,
+    """``storage[slots]`` for every leaf.
+
+    On a CPU, XLA splits a gather from a large operand over several threads even when only a
+    few hundred small rows are read, and the thread hand-off then costs more than the copy.
+    For small items a loop over the rows (one dynamic slice per leaf per row, in one compiled
+    loop) avoids that and is several times faster; large items (e.g. frames) and other
+    backends use one gather per leaf.
+    """
+    leaves = jax.tree_util.tree_leaves(storage)
+    row_bytes = sum(x.dtype.itemsize * int(np.prod(x.shape[1:])) for x in leaves)
+    n = slots.shape[0]
+    use_loop = (
+        jax.default_backend() == "cpu"
+        and row_bytes <= _ROW_LOOP_MAX_BYTES
+        and n <= _ROW_LOOP_MAX_ROWS
     )
+    if not use_loop:
+        return jax.tree_util.tree_map(lambda s: s.at[slots].get(mode="promise_in_bounds"), storage)
+
+    def row(_: Any, i: jax.Array) -> tuple:
+        return None, jax.tree_util.tree_map(
+            lambda s: jax.lax.dynamic_index_in_dim(s, i, keepdims=False), storage
+        )
+
+    return jax.lax.scan(row, None, slots)[1]
 
 
 def _sample_sequences(

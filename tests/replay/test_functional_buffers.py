@@ -231,3 +231,17 @@ def test_looped_tree_traversals_match_the_functional_sum_tree():
         np.testing.assert_allclose(prob, values[np.asarray(i)] / values.sum(), rtol=1e-5)
 
     check()
+
+
+def test_row_loop_and_gather_paths_agree(monkeypatch):
+    from coax_utils.replay import _functional
+
+    buffer = make_uniform_buffer(50)
+    state = jax.jit(buffer.add)(buffer.init(EXAMPLE), items(range(40)))
+    key = jax.random.key(4)
+    looped = buffer.sample(state, key, 64)  # small items on the CPU: the row loop
+    monkeypatch.setattr(_functional, "_ROW_LOOP_MAX_BYTES", 0)
+    gathered = buffer.sample(state, key, 64)  # (not jitted: traced again with the new limit)
+    for a, b in zip(jax.tree_util.tree_leaves(looped), jax.tree_util.tree_leaves(gathered)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(np.asarray(looped["obs"])[:, 0], np.asarray(looped["t"]))
