@@ -21,7 +21,6 @@ import concurrent.futures
 import functools
 import io
 import json
-import mmap
 import os
 import pickle
 import platform
@@ -227,17 +226,23 @@ def _address(arr: np.ndarray) -> int:
     return arr.__array_interface__["data"][0]
 
 
-def _compress_chunk(chunk: memoryview) -> tuple[Any, int, int]:
-    """Compress one chunk; return (stored bytes, codec, crc32 of the stored bytes)."""
+def _compress_chunk(chunk: memoryview, out: np.ndarray | None = None) -> tuple[Any, int, int]:
+    """Compress one chunk; return (stored bytes, codec, crc32 of the stored bytes).
+
+    ``out`` (a uint8 array of at least ``_lz4_bound(chunk.nbytes)`` bytes) receives the
+    compressed bytes where the C functions are available; the stored bytes are then a view
+    of it, or ``chunk`` itself when lz4 does not make it smaller.
+    """
     native = _lz4_native()
     if native is None:
         packed: Any = lz4.block.compress(chunk, store_size=False)
         k = len(packed)
     else:
         src = np.frombuffer(chunk, np.uint8)
-        out = np.empty(_lz4_bound(src.size), np.uint8)
+        if out is None:
+            out = np.empty(_lz4_bound(src.size), np.uint8)
         k = native[0](_address(src), _address(out), src.size, out.size)
-        packed = memoryview(out)[:k]
+        packed = out[:k]
     if k <= 0 or k >= chunk.nbytes:  # lz4 does not help: store the chunk as it is
         return chunk, _RAW, zlib.crc32(chunk)
     return packed, _LZ4, zlib.crc32(packed)
@@ -284,129 +289,212 @@ def _metadata(chunk_size: int) -> bytes:
     return json.dumps(meta, sort_keys=True).encode()
 
 
-def _encode(stream: memoryview, buffers: list[memoryview]) -> Iterator[Any]:
-    """Yield the pieces of a checkpoint (bytes-like objects, to be concatenated)."""
-    chunk_size = CHUNK_SIZE
+def _header(chunk_size: int) -> bytes:
     meta = _metadata(chunk_size)
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(meta)) + meta
-    header += _CRC.pack(zlib.crc32(header))
-    yield header
+    return header + _CRC.pack(zlib.crc32(header))
+
+
+def _encode(
+    stream: memoryview, buffers: list[memoryview], write: Callable[[int, Any], None]
+) -> int:
+    """Encode a checkpoint: call ``write(offset, piece)`` for every piece; return the size.
+
+    The pieces (bytes-like) tile ``[0, size)``. With several threads, ``write`` is called
+    from the worker threads, in any order, as soon as a piece's place is known: the copies
+    (or file writes) run in parallel with each other and with the compression of later
+    chunks. A piece may only be used during its call. Compressed chunks go to scratch
+    buffers that are reused as soon as they are written.
+    """
+    chunk_size = CHUNK_SIZE
+    header = _header(chunk_size)
     segments = [stream, *buffers]
     chunks = [seg[i : i + chunk_size] for seg in segments for i in range(0, seg.nbytes, chunk_size)]
+    total = sum(seg.nbytes for seg in segments)
+    bound = _lz4_bound(min(chunk_size, max((c.nbytes for c in chunks), default=0)))
+    free: list[np.ndarray] = []  # scratch buffers (list.pop/append are atomic)
+
+    def compress(chunk: memoryview) -> tuple[Any, int, int, np.ndarray | None]:
+        if _lz4_native() is None:  # python-lz4 returns new bytes
+            return (*_compress_chunk(chunk), None)
+        try:
+            scratch = free.pop()
+        except IndexError:
+            scratch = _scratch_buffer(bound)
+        stored, codec, crc = _compress_chunk(chunk, scratch)
+        if codec == _RAW:  # the scratch buffer holds nothing
+            free.append(scratch)
+            scratch = None
+        return stored, codec, crc, scratch
+
+    def store(job: tuple[int, Any, np.ndarray | None]) -> None:
+        offset, stored, scratch = job
+        write(offset, stored)
+        if scratch is not None:
+            free.append(scratch)
+
     table: list[list[int]] = []
     offset = len(header)
-    total = sum(seg.nbytes for seg in segments)
-    for stored, codec, crc in _map_ordered(_compress_chunk, chunks, total):
-        n = len(memoryview(stored))
-        table.append([n, crc, codec])
-        offset += n
-        yield stored
+    workers = min(_num_threads(), len(chunks))
+    if workers < 2 or total < min(2 * CHUNK_SIZE, 1 << 20):  # threads would not pay off
+        write(0, header)
+        for chunk in chunks:
+            stored, codec, crc, scratch = compress(chunk)
+            n = len(memoryview(stored))
+            store((offset, stored, scratch))
+            table.append([n, crc, codec])
+            offset += n
+    else:
+        pool = concurrent.futures.ThreadPoolExecutor(workers)
+        try:
+            stores = [pool.submit(store, (0, header, None))]
+            it = iter(chunks)
+            pending = collections.deque(
+                pool.submit(compress, c) for _, c in zip(range(2 * workers), it)
+            )
+            while pending:
+                stored, codec, crc, scratch = pending.popleft().result()
+                nxt = next(it, _END)
+                if nxt is not _END:
+                    pending.append(pool.submit(compress, nxt))
+                n = len(memoryview(stored))
+                stores.append(pool.submit(store, (offset, stored, scratch)))
+                table.append([n, crc, codec])
+                offset += n
+            for f in stores:
+                f.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
     index_segments, k = [], 0
     for seg in segments:
         n_chunks = -(-seg.nbytes // chunk_size)
         index_segments.append([seg.nbytes, table[k : k + n_chunks]])
         k += n_chunks
     index = json.dumps({"segments": index_segments}, separators=(",", ":")).encode()
-    yield index
     fields = struct.pack("<QQI", offset, len(index), zlib.crc32(index))
-    yield _FOOTER.pack(offset, len(index), zlib.crc32(index), zlib.crc32(fields), END_MAGIC)
+    footer = _FOOTER.pack(offset, len(index), zlib.crc32(index), zlib.crc32(fields), END_MAGIC)
+    write(offset, index + footer)
+    return offset + len(index) + len(footer)
+
+
+def _capacity(stream: memoryview, buffers: list[memoryview]) -> int:
+    """An upper bound of the size of the encoded checkpoint."""
+    n = len(_header(CHUNK_SIZE)) + 64 + _FOOTER.size
+    for seg in (stream, *buffers):
+        full, rest = divmod(seg.nbytes, CHUNK_SIZE)
+        n += full * _lz4_bound(CHUNK_SIZE) + (_lz4_bound(rest) if rest else 0)
+        n += 64 * (full + 2)  # its index entry: at most 64 characters per chunk and segment
+    return n
+
+
+def _scratch_buffer(n: int) -> np.ndarray:
+    # From the heap: after the first call, malloc serves buffers of this size from memory
+    # the process already has mapped (no page faults), unlike fresh anonymous mappings.
+    return np.empty(n, np.uint8)
 
 
 # -- assembling the result of dumps ---------------------------------------------------------
 
-# Results smaller than this are joined with b"".join; the in-place path pays off above it.
+# Results smaller than this are built with b"".join; the in-place path pays off above it.
 _DIRECT_JOIN_MIN = 1 << 20
 
 
-@functools.cache
-def _bytes_api() -> tuple[Callable[[int], bytes], Callable[[bytes], int]] | None:
-    """(make a new uninitialized ``bytes`` of n bytes, address of a ``bytes``' data) or None.
+class _BytesApi:
+    """CPython's C functions to build a ``bytes`` object in place, called through ctypes.
 
-    CPython's ``PyBytes_FromStringAndSize(NULL, n)`` returns a ``bytes`` object whose contents
-    the caller fills before anyone else sees it (what C extensions do). Called through
-    ctypes, it lets :func:`_join` copy the pieces of a checkpoint straight into the result, on
-    threads, into memory advised for huge pages. None (use ``b"".join``) on other Pythons or
-    when a self-test fails.
+    ``PyBytes_FromStringAndSize(NULL, n)`` makes a ``bytes`` object whose contents its
+    owner fills before anyone else sees it, and ``_PyBytes_Resize`` changes its size while
+    it has no other reference (both documented in the C API, used by C extensions that build
+    bytes). With them, :func:`dumps` writes the checkpoint straight into its result, from
+    several threads, and trims the unused end; no second copy of the result is made.
     """
+
+    def __init__(self) -> None:
+        import ctypes
+
+        api = ctypes.pythonapi
+        # item access makes private function objects: the shared ones keep their signatures
+        self.new = api["PyBytes_FromStringAndSize"]
+        self.new.restype, self.new.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_ssize_t]
+        self.data = api["PyBytes_AsString"]
+        self.data.restype, self.data.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        self.resize = api["_PyBytes_Resize"]
+        self.resize.restype = ctypes.c_int
+        self.resize.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        # PyBytes_FromObject returns a new reference to an exact bytes object: here, the
+        # way to hand the finished object to Python
+        self.adopt = api["PyBytes_FromObject"]
+        self.adopt.restype, self.adopt.argtypes = ctypes.py_object, [ctypes.c_void_p]
+        self.decref = api["Py_DecRef"]
+        self.decref.restype, self.decref.argtypes = None, [ctypes.c_void_p]
+
+
+class _BytesBuilder:
+    """A new ``bytes`` object of ``capacity`` bytes, written at offsets, then trimmed."""
+
+    def __init__(self, api: _BytesApi, capacity: int) -> None:
+        import ctypes
+
+        self._api, self._ctypes = api, ctypes
+        self._ptr = ctypes.c_void_p(api.new(None, capacity))  # the one (owned) reference
+        if not self._ptr.value:
+            raise MemoryError(f"cannot allocate {capacity} bytes")
+        self._start, self._capacity = api.data(self._ptr), capacity
+
+    def write(self, offset: int, piece: Any) -> None:
+        src = np.frombuffer(piece, np.uint8)
+        if offset < 0 or offset + src.size > self._capacity:
+            raise ValueError("write outside the buffer")  # a bug: never overrun the object
+        self._ctypes.memmove(self._start + offset, _address(src), src.size)  # releases the GIL
+
+    def finish(self, size: int) -> bytes:
+        """Trim to ``size`` bytes and return the object (the builder is then empty)."""
+        if self._api.resize(self._ctypes.byref(self._ptr), size) != 0 or not self._ptr.value:
+            self._ptr.value = None  # _PyBytes_Resize freed the object
+            raise MemoryError(f"cannot resize a bytes object to {size} bytes")
+        out = self._api.adopt(self._ptr)
+        self.close()
+        return out
+
+    def close(self) -> None:
+        if self._ptr.value:
+            self._api.decref(self._ptr)
+            self._ptr.value = None
+
+
+@functools.cache
+def _bytes_api() -> _BytesApi | None:
+    """The C functions of :class:`_BytesApi`, or None (use ``b"".join``) where they are
+    missing (not CPython) or fail a self-test."""
     if sys.implementation.name != "cpython":
         return None
-    import ctypes
-
     try:
-        # item access makes private function objects: the shared ones in ctypes.pythonapi
-        # keep their default signatures
-        new = ctypes.pythonapi["PyBytes_FromStringAndSize"]
-        data = ctypes.pythonapi["PyBytes_AsString"]
-    except (AttributeError, OSError):
-        return None
-    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_ssize_t]
-    data.restype, data.argtypes = ctypes.c_void_p, [ctypes.py_object]
-    sample = bytes(range(256)) * 4
-    try:
-        out = new(None, len(sample))
-        ctypes.memmove(data(out), sample, len(sample))
+        api = _BytesApi()
+        builder = _BytesBuilder(api, 4096)
+        try:
+            builder.write(0, b"coax_utils")
+            builder.write(10, bytes(range(256)))
+            out = builder.finish(266)
+        finally:
+            builder.close()
     except Exception:  # any failure means: use b"".join
         return None
-    if type(out) is not bytes or out != sample or hash(out) != hash(sample):
+    expected = b"coax_utils" + bytes(range(256))
+    if type(out) is not bytes or out != expected or hash(out) != hash(expected):
         return None
-    return functools.partial(new, None), data
-
-
-@functools.cache
-def _advise_huge_pages() -> Callable[[int, int], Any] | None:
-    """``madvise(MADV_HUGEPAGE)`` where Linux offers it (else None).
-
-    A new 176 MB result costs 43,000 page faults of 4 KiB (about 70 ms); with transparent
-    huge pages it takes 88. numpy advises the same for every array of 4 MiB or more.
-    """
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or not sys.platform.startswith("linux"):
+    if sys.getrefcount(out) != 2:  # ours and getrefcount's argument: nothing leaked
         return None
-    import ctypes
-
-    try:
-        fn = ctypes.CDLL(None, use_errno=True)["madvise"]
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return lambda address, n: fn(address, n, advice)
+    return api
 
 
-def _copy(job: tuple[int, np.ndarray]) -> None:
-    import ctypes
+def _dumps_pieces(stream: memoryview, buffers: list[memoryview]) -> bytes:
+    pieces: dict[int, bytes] = {}
 
-    dest, src = job
-    ctypes.memmove(dest, _address(src), src.size)  # releases the GIL
+    def write(offset: int, piece: Any) -> None:
+        pieces[offset] = bytes(piece)  # pieces in scratch buffers are reused
 
-
-def _join(pieces: list[Any]) -> bytes:
-    """``b"".join(pieces)``, faster for large results.
-
-    The result is made at its final size, its memory advised for huge pages, and the pieces
-    are copied into it on a few threads before it is returned.
-    """
-    views = [memoryview(p).cast("B") for p in pieces]
-    total = sum(v.nbytes for v in views)
-    api = _bytes_api() if total >= _DIRECT_JOIN_MIN else None
-    if api is None:
-        return b"".join(views)
-    new, data = api
-    out = new(total)
-    start = data(out)
-    advise = _advise_huge_pages()
-    if advise is not None:
-        page = mmap.PAGESIZE  # advise whole pages of the result only
-        first, end = -(-start // page) * page, (start + total) // page * page
-        if end > first:
-            advise(first, end - first)  # a hint: the result is correct either way
-    jobs, pos = [], start
-    for v in views:
-        if v.nbytes:
-            jobs.append((pos, np.frombuffer(v, np.uint8)))
-        pos += v.nbytes
-    for _ in _map_ordered(_copy, jobs, total):
-        pass
-    return out
+    _encode(stream, buffers, write)
+    return b"".join(pieces[k] for k in sorted(pieces))
 
 
 # -- decoding ------------------------------------------------------------------------------
@@ -781,7 +869,16 @@ def dumps(obj: Any) -> bytes:
     (3, dtype('float32'), (2, 3))
     """
     stream, buffers = _pickle(obj)
-    return _join(list(_encode(stream, buffers)))
+    capacity = _capacity(stream, buffers)
+    api = _bytes_api() if capacity >= _DIRECT_JOIN_MIN else None
+    if api is None:
+        return _dumps_pieces(stream, buffers)
+    builder = _BytesBuilder(api, capacity)
+    try:
+        size = _encode(stream, buffers, builder.write)
+        return builder.finish(size)
+    finally:
+        builder.close()
 
 
 @_with_warning(
@@ -851,23 +948,32 @@ def _temp_basename() -> str:
 
 
 def _write_fd(fd: int, stream: memoryview, buffers: list[memoryview]) -> None:
-    # Where the OS allows, each written chunk is handed to write-back at once
+    # Pieces are written at their offsets (os.pwrite, from the worker threads) as soon as
+    # they are ready. Where the OS allows, each written piece is handed to write-back at once
     # (POSIX_FADV_DONTNEED starts it for dirty pages, without waiting), so the disk writes
     # overlap the compression of the next chunks and the final fsync has little left to do.
     advise = getattr(os, "posix_fadvise", None)
-    offset = 0
-    with open(fd, "wb", closefd=False) as f:
-        for piece in _encode(stream, buffers):
-            f.write(piece)
-            n = memoryview(piece).nbytes
-            if advise is not None and n >= 1 << 20:
-                f.flush()
-                try:
-                    advise(fd, offset, n, os.POSIX_FADV_DONTNEED)
-                except OSError:  # a hint only
-                    advise = None
-            offset += n
-        f.flush()
+    pwrite = getattr(os, "pwrite", None)
+    lock = threading.Lock()
+
+    def write(offset: int, piece: Any) -> None:
+        nonlocal advise
+        view = memoryview(piece).cast("B")
+        done = 0
+        while done < view.nbytes:
+            if pwrite is not None:
+                done += pwrite(fd, view[done:], offset + done)
+            else:
+                with lock:  # one file position for all threads
+                    os.lseek(fd, offset + done, os.SEEK_SET)
+                    done += os.write(fd, view[done:])
+        if advise is not None and view.nbytes >= 1 << 20:
+            try:
+                advise(fd, offset, view.nbytes, os.POSIX_FADV_DONTNEED)
+            except OSError:  # a hint only
+                advise = None
+
+    _encode(stream, buffers, write)
     os.fsync(fd)
 
 

@@ -146,28 +146,42 @@ def test_file_holds_the_same_bytes_as_dumps_and_output_is_deterministic(tmp_path
     assert multi.startswith(_checkpoint.MAGIC)
 
 
-@pytest.mark.parametrize("fast_join", [True, False])
-def test_join_builds_the_same_bytes_as_bytes_join(fast_join, monkeypatch):
+def test_bytes_builder_writes_in_place_and_trims():
+    api = _checkpoint._bytes_api()
+    assert api is not None  # CPython: the in-place path is the one used
     rng = np.random.default_rng(3)
     arr = rng.integers(0, 255, 3 << 20, dtype=np.uint8)
-    pieces = [
-        b"header",
-        memoryview(arr)[: 1 << 20],  # a view of array memory
-        b"",
-        arr[(1 << 20) + 5 :],  # a numpy array
-        memoryview(rng.random(1000)).cast("B"),  # float memory, viewed as bytes
-        bytearray(b"index"),
-    ]
+    pieces = [b"head", memoryview(arr)[: 1 << 20], b"", arr[(1 << 20) + 5 :], bytearray(b"tail")]
     expected = b"".join(bytes(memoryview(p).cast("B")) for p in pieces)
-    if not fast_join:
+    builder = _checkpoint._BytesBuilder(api, len(expected) + 12345)
+    offsets = np.cumsum([0] + [memoryview(p).nbytes for p in pieces])
+    for i in (3, 0, 4, 1, 2):  # any order
+        builder.write(int(offsets[i]), pieces[i])
+    with pytest.raises(ValueError, match="outside"):  # never past the end of the object
+        builder.write(len(expected) + 12340, b"0123456789")
+    out = builder.finish(len(expected))
+    assert type(out) is bytes and out == expected and hash(out) == hash(expected)
+    assert sys.getrefcount(out) == 2  # only ours (and the argument): nothing leaked
+    builder.close()  # finished: nothing left to release
+    discarded = _checkpoint._BytesBuilder(api, 1 << 20)
+    discarded.close()
+    discarded.close()
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_dumps_output_is_the_same_with_or_without_the_in_place_path(in_place, monkeypatch):
+    rng = np.random.default_rng(5)
+    obj = {"x": np.repeat(rng.integers(0, 9, 300_000), 4), "y": rng.random(150_000)}
+    with small_chunks(chunk_size=1 << 16, threads=1):
+        single = utils.dumps(obj)
+    if not in_place:
         monkeypatch.setattr(_checkpoint, "_bytes_api", lambda: None)
-    monkeypatch.setattr(_checkpoint, "MAX_THREADS", 2)
-    for join_min in (0, 1 << 20, 1 << 30):  # threads, threads above 1 MiB, b"".join only
+    for join_min in (0, 1 << 30):
         monkeypatch.setattr(_checkpoint, "_DIRECT_JOIN_MIN", join_min)
-        out = _checkpoint._join(pieces)
-        assert type(out) is bytes and out == expected
-        assert hash(out) == hash(expected)
-        assert _checkpoint._join([b"", b""]) == b""
+        with small_chunks(chunk_size=1 << 16, threads=3):
+            s = utils.dumps(obj)
+        assert type(s) is bytes and s == single
+    assert_tree_equal(utils.loads(s), obj)
 
 
 def test_large_dumps_is_bytes_and_matches_the_file(tmp_path):
@@ -479,11 +493,11 @@ def fail_after_first_chunk(monkeypatch):
     real = _checkpoint._compress_chunk
     calls = []
 
-    def compress(chunk):
+    def compress(chunk, *args):
         calls.append(1)
         if len(calls) > 1:
             raise OSError("disk on fire")
-        return real(chunk)
+        return real(chunk, *args)
 
     monkeypatch.setattr(_checkpoint, "_compress_chunk", compress)
     return calls
@@ -534,8 +548,8 @@ KILLED_CHILD = textwrap.dedent(
     real = _checkpoint._compress_chunk
     calls = []
 
-    def compress(chunk):  # hang the dump in the middle, with the temp file open
-        out = real(chunk)
+    def compress(chunk, *args):  # hang the dump in the middle, with the temp file open
+        out = real(chunk, *args)
         calls.append(1)
         if len(calls) == 4:
             print("dumping", flush=True)
