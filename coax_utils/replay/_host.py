@@ -18,6 +18,7 @@ __all__ = ["PrioritizedReplayBuffer", "SequenceSample", "SimpleReplayBuffer"]
 _FORMAT_VERSION = 1
 _LARGE_BYTES = 1 << 20  # sampled leaves of this size recycle memory and copy in threads
 _MAX_THREADS = 4
+_PACK_BYTES = 256  # leaves of at most this many bytes per item share one block of rows
 _pool: Any = None
 
 
@@ -115,6 +116,8 @@ class _RingStorage:
     def clear(self) -> None:
         """Remove all transitions (the storage is released; the RNG stream continues)."""
         self._storage: list[np.ndarray] | None = None
+        self._block: np.ndarray | None = None
+        self._packed: list = []
         self._recycle: dict[int, np.ndarray] = {}
         self._treedef = None
         self._out_treedef = None
@@ -166,8 +169,42 @@ class _RingStorage:
                     )
         return leaves, treedef, batch_size
 
-    def _allocate(self, leaves: list[np.ndarray], treedef: Any) -> None:
-        self._storage = [np.empty((self._capacity,) + x.shape[1:], x.dtype) for x in leaves]
+    def _allocate(self, leaves: list[Any], treedef: Any) -> None:
+        """Preallocate storage for leaves shaped like ``leaves`` (arrays with a batch axis).
+
+        Small leaves (a few scalars each, e.g. rewards, actions, small observations) share one
+        block of rows, each leaf being a view of its columns: a sample then reads each row
+        with a single ``np.take`` instead of one per leaf. Larger leaves get arrays of their
+        own.
+        """
+        shapes = [(x.shape[1:], np.dtype(x.dtype)) for x in leaves]
+        small = [
+            i
+            for i, (shape, dtype) in enumerate(shapes)
+            if dtype.itemsize * int(np.prod(shape)) <= _PACK_BYTES and dtype.kind in "biuf"
+        ]
+        if len(small) < 2:
+            small = []
+        small.sort(key=lambda i: -shapes[i][1].itemsize)  # aligned offsets
+        offsets, row = {}, 0
+        for i in small:
+            shape, dtype = shapes[i]
+            row = -(-row // dtype.itemsize) * dtype.itemsize
+            offsets[i] = row
+            row += dtype.itemsize * int(np.prod(shape))
+        row = -(-row // 8) * 8
+        self._block = np.zeros((self._capacity, row), np.uint8) if small else None
+        self._packed = []  # (leaf, offset, nbytes, dtype, shape)
+        storage = []
+        for i, (shape, dtype) in enumerate(shapes):
+            if i in offsets:
+                nbytes = dtype.itemsize * int(np.prod(shape))
+                view = self._block[:, offsets[i] : offsets[i] + nbytes].view(dtype)
+                storage.append(view.reshape((self._capacity,) + shape))
+                self._packed.append((i, offsets[i], nbytes, dtype, shape))
+            else:
+                storage.append(np.empty((self._capacity,) + shape, dtype))
+        self._storage = storage
         self._set_treedef(treedef)
 
     def _set_treedef(self, treedef: Any) -> None:
@@ -246,7 +283,16 @@ class _RingStorage:
         n = len(slots)
         leaves: list = [None] * len(self._storage)
         chunks = []  # large leaves: (storage, slots, out) pieces, copied by several threads
+        packed = set()
+        if self._block is not None:
+            rows = np.take(self._block, slots, axis=0, mode="clip")
+            for i, offset, nbytes, dtype, shape in self._packed:
+                view = rows[:, offset : offset + nbytes].view(dtype)
+                leaves[i] = view.reshape((n,) + shape)
+                packed.add(i)
         for i, arr in enumerate(self._storage):
+            if i in packed:
+                continue
             if arr[:1].nbytes * n < _LARGE_BYTES:
                 leaves[i] = np.take(arr, slots, axis=0, mode="clip")
             else:
@@ -335,7 +381,7 @@ class _RingStorage:
 
     def __getstate__(self) -> dict:
         n = len(self)
-        skip = ("_storage", "_rng", "_recycle")
+        skip = ("_storage", "_rng", "_recycle", "_block", "_packed")
         state = {k: v for k, v in self.__dict__.items() if k not in skip}
         state["_rng_state"] = self._rng.bit_generator.state
         state["_rng_class"] = type(self._rng.bit_generator).__name__
@@ -359,16 +405,13 @@ class _RingStorage:
         bit_generator.state = rng_state
         self._rng = np.random.Generator(bit_generator)
         self._storage = None
+        self._block, self._packed = None, []
         self._recycle = {}
         self._treedef = self._out_treedef = None
         if stored is not None:
-            treedef = jax.tree_util.tree_structure(skeleton)
-            self._storage = []
-            for a in stored:
-                arr = np.empty((self._capacity,) + a.shape[1:], a.dtype)
+            self._allocate(stored, jax.tree_util.tree_structure(skeleton))
+            for arr, a in zip(self._storage, stored):
                 arr[: len(a)] = a
-                self._storage.append(arr)
-            self._set_treedef(treedef)
 
     def save(self, path: str | os.PathLike) -> None:
         """Save the buffer to a directory of ``.npy`` files, without a pickle copy of the data.
@@ -541,7 +584,8 @@ class SimpleReplayBuffer(_RingStorage):
             If the buffer is empty or ``batch_size`` is not positive.
         """
         batch_size = self._check_nonempty(batch_size)
-        slots = self._rng.integers(0, len(self), size=batch_size)
+        # floor(u * n) with 53-bit uniform u: uniform up to a bias of n / 2**53
+        slots = (self._rng.random(batch_size) * len(self)).astype(np.int64)
         return self._gather(slots)
 
     def __repr__(self) -> str:

@@ -279,3 +279,33 @@ def test_large_samples_work_in_a_forked_child():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "7"
+
+
+def test_mixed_small_dtypes_round_trip_through_packed_rows():
+    n = 20
+    rng = np.random.default_rng(0)
+    S = {
+        "flag": rng.integers(2, size=n).astype(bool),
+        "byte": rng.integers(-100, 100, size=(n, 3)).astype(np.int8),
+        "f64": rng.normal(size=(n, 2)),
+        "i16": rng.integers(-999, 999, size=n).astype(np.int16),
+        "big": rng.normal(size=(n, 80)).astype(np.float32),  # 320 bytes: stored on its own
+    }
+    tb = TransitionBatch(
+        S=S,
+        A=np.arange(n),
+        logP=np.zeros(n, np.float32),
+        Rn=rng.normal(size=n).astype(np.float32),
+        In=np.ones(n, np.float32),
+        S_next=S,
+    )
+    buffer = SimpleReplayBuffer(32, random_seed=0)
+    buffer.add(tb[:7])
+    buffer.add(tb[7:])
+    for sample in (buffer.sample(50), pickle.loads(pickle.dumps(buffer)).sample(50)):
+        for got, stored in zip(
+            jax.tree_util.tree_leaves(sample.replace(idx=None, W=None)),
+            jax.tree_util.tree_leaves(tb),
+        ):
+            assert got.dtype == stored.dtype and got.shape[1:] == stored.shape[1:]
+            np.testing.assert_array_equal(got, stored[sample.idx])
