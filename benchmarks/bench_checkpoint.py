@@ -155,6 +155,9 @@ def run(variants: dict, repeats: int) -> dict:
     """Time each variant (a zero-argument callable) round robin.
 
     Returns, per variant, a list of (wall seconds, CPU seconds of the process: all threads).
+    The clock stops when the call returns: its result is dropped afterwards (freeing a
+    176 MB bytes object or a 253 MB restored object takes 10-20 ms, the same for every
+    variant, and is the caller's business, not the call's).
     """
     times = {name: [] for name in variants}
     for fn in variants.values():  # warm-up
@@ -162,8 +165,9 @@ def run(variants: dict, repeats: int) -> dict:
     for _ in range(repeats):
         for name, fn in variants.items():
             c0, t0 = time.process_time(), time.perf_counter()
-            fn()
+            result = fn()
             times[name].append((time.perf_counter() - t0, time.process_time() - c0))
+            del result
     return times
 
 
