@@ -504,10 +504,11 @@ class _RingStorage:
 class SimpleReplayBuffer(_RingStorage):
     r"""A ring buffer for experience replay, with uniform sampling.
 
-    Transitions are kept in preallocated NumPy arrays, one per leaf of the
-    :class:`TransitionBatch`, allocated on the first :meth:`add`; when the buffer is full the
-    oldest transitions are overwritten. Every added transition gets an id (0, 1, 2, ... in
-    insertion order), returned in the ``idx`` field of sampled batches.
+    Transitions are kept in NumPy arrays preallocated on the first :meth:`add` (small leaves
+    of the :class:`TransitionBatch` share one block of rows; larger ones have an array each);
+    when the buffer is full the oldest transitions are overwritten. Every added transition
+    gets an id (0, 1, 2, ... in insertion order), returned in the ``idx`` field of sampled
+    batches.
 
     Unlike coax (which samples without replacement through Python's global ``random``), the
     buffer samples *with* replacement from its own seeded :class:`numpy.random.Generator`, so
