@@ -136,7 +136,7 @@ def train(
             agent["params"], agent["target_params"], agent["opt_state"] = (
                 params, target_params, opt_state,
             )
-            agent["buffer"].update(batch.idx, np.asarray(td_error))
+            agent["buffer"].update(batch.idx, np.abs(np.asarray(td_error)))
 
         now = time.perf_counter()
         if now - last_log >= log_every:

@@ -736,7 +736,11 @@ class PrioritizedReplayBuffer(_RingStorage):
             raise ValueError(f"Adv must have shape {shape} (one per {what}), got {adv.shape}")
         if not np.all(np.isfinite(adv)):
             raise ValueError(f"Adv must be finite (no NaN or inf), got {Adv!r}")
-        return np.abs(adv)
+        if np.any(adv < 0):
+            raise ValueError(
+                f"Adv must be non-negative (pass magnitudes, e.g. np.abs(td_error)), got {Adv!r}"
+            )
+        return adv
 
     def add(
         self, transition_batch: TransitionBatch, Adv: Any = None, *, episode_end: Any = None
@@ -748,8 +752,8 @@ class PrioritizedReplayBuffer(_RingStorage):
         transition_batch : TransitionBatch
             The transitions.
         Adv : array of shape ``(batch_size,)``, optional
-            Advantages (e.g. TD errors; the sign is ignored) that set the priorities. Without
-            it, the transitions get the largest :math:`|\\mathcal{A}|` seen so far.
+            Non-negative advantages (e.g. absolute TD errors) that set the priorities.
+            Without it, the transitions get the largest :math:`|\\mathcal{A}|` seen so far.
         episode_end : bool or array of bool, optional
             Marks rows that end their episode (see :meth:`SimpleReplayBuffer.add`).
 
@@ -813,13 +817,13 @@ class PrioritizedReplayBuffer(_RingStorage):
         idx : array of int, shape ``(k,)``
             Transition ids, the ``idx`` of a sampled batch.
         Adv : array, shape ``(k,)``
-            The new advantages (sign ignored).
+            The new non-negative advantages (e.g. absolute TD errors).
 
         Raises
         ------
         ValueError
-            If the shapes differ, ids are negative or not integers, or ``Adv`` holds NaN or
-            infinite values. Nothing is changed.
+            If the shapes differ, ids are negative or not integers, or ``Adv`` holds negative,
+            NaN or infinite values. Nothing is changed.
         """
         idx = np.asarray(idx)
         if idx.ndim != 1 or idx.dtype.kind not in "iu":

@@ -85,6 +85,10 @@ def test_rejected_calls_leave_the_buffer_unchanged(cls):
     if cls is PrioritizedReplayBuffer:
         with pytest.raises(ValueError, match="finite"):
             buffer.add(batch([5, 6]), Adv=np.array([1.0, np.nan]))
+        with pytest.raises(ValueError, match="non-negative"):
+            buffer.add(batch([5, 6]), Adv=np.array([1.0, -0.5]))
+        with pytest.raises(ValueError, match="non-negative"):
+            buffer.update(np.array([0, 1]), np.array([1.0, -2.0]))
         with pytest.raises(ValueError, match="shape"):
             buffer.add(batch([5, 6]), Adv=np.array([1.0]))
         with pytest.raises(ValueError):
@@ -102,9 +106,9 @@ def test_rejected_calls_leave_the_buffer_unchanged(cls):
 
 def test_prioritized_frequencies_and_weights():
     buffer = PrioritizedReplayBuffer(8, alpha=0.7, beta=0.6, epsilon=1e-3, random_seed=5)
-    adv = np.array([0.5, -1.0, 2.0, 4.0, 0.0, 1.0])  # the sign is ignored
+    adv = np.array([0.5, 1.0, 2.0, 4.0, 0.0, 1.0])
     buffer.add(batch(np.arange(6)), Adv=adv)
-    p = (np.abs(adv) + 1e-3) ** 0.7
+    p = (adv + 1e-3) ** 0.7
     P = p / p.sum()
     n = 20000
     counts = np.zeros(6)
