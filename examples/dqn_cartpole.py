@@ -116,7 +116,10 @@ def train(
             a = int(greedy_jit(agent["params"], key, s[None].astype(np.float32))[0])
         s_next, r, terminated, truncated, _ = env.step(a)
         ep_return += float(r)
-        agent["tracer"].add(s.astype(np.float32), a, float(r), terminated, truncated=truncated)
+        agent["tracer"].add(
+            s.astype(np.float32), a, float(r), terminated,
+            truncated=truncated, s_next=s_next.astype(np.float32),
+        )
         while agent["tracer"]:
             agent["buffer"].add(agent["tracer"].pop())
         s = s_next
