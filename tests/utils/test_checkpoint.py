@@ -328,15 +328,15 @@ def arrays(draw):
     return arr
 
 
-pytrees = st.recursive(
-    arrays(),
-    lambda children: st.one_of(
+def _containers(children):
+    return st.one_of(
         st.lists(children, max_size=3),
         st.dictionaries(st.text(max_size=4), children, max_size=3),
         st.tuples(children, children),
-    ),
-    max_leaves=6,
-)
+    )
+
+
+pytrees = st.recursive(arrays(), _containers, max_leaves=6)
 
 
 def assert_same_array_tree(x, y):
