@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import collections.abc
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -43,7 +44,7 @@ def _as_array(x: Any) -> jax.Array | None:
         return None
 
 
-class Space:
+class Space(abc.ABC):
     """Base class of the JAX spaces.
 
     A space describes a set of values with a fixed structure, ``shape`` and ``dtype``. Its
@@ -54,28 +55,28 @@ class Space:
     shape: Any
     dtype: Any
 
+    @abc.abstractmethod
     def sample(self, key: jax.Array) -> Any:
         """Draw a random element of the space with the PRNG key ``key``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def contains(self, x: Any) -> jax.Array:
         """Whether ``x`` is an element of the space, as a boolean JAX scalar."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def shape_dtype(self) -> Any:
         """The element structure as a pytree of :class:`jax.ShapeDtypeStruct`.
 
         The dtypes are the ones JAX uses (64-bit dtypes become 32-bit ones unless
         ``jax_enable_x64`` is set), which is what :meth:`sample` returns.
         """
-        raise NotImplementedError
 
     def __contains__(self, x: Any) -> bool:
         return bool(self.contains(x))
 
+    @abc.abstractmethod
     def _key(self) -> tuple:
         """A hashable description of the space: equal spaces have equal keys."""
-        raise NotImplementedError
 
     def _key_with_type(self) -> tuple:
         return (type(self).__name__, self._key())

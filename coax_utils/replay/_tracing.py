@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from collections import deque
 from typing import Any
 
@@ -20,7 +21,7 @@ class InsufficientCacheError(IndexError):
     """Raised when popping or flushing a tracer that has no complete transition yet."""
 
 
-class _BaseTracer:
+class _BaseTracer(abc.ABC):
     """Shared bookkeeping of the tracers: episode end, truncation and the final state."""
 
     gamma: float
@@ -131,8 +132,9 @@ class _BaseTracer:
             batches.append(self.pop())
         return TransitionBatch.concatenate(*batches)
 
-    def pop(self) -> TransitionBatch:  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abc.abstractmethod
+    def pop(self) -> TransitionBatch:
+        """Pop the oldest complete transition as a batch of size 1."""
 
 
 class NStep(_BaseTracer):
