@@ -68,7 +68,10 @@ def quantiles_uniform(rng: jax.Array, batch_size: int, num_quantiles: int = 32) 
         \tau_i = \sum_{j \le i} \frac{u_j}{\sum_k u_k}, \qquad i = 0, \dots, N-1
 
     so every row is increasing, lies in :math:`(0, 1]` and ends at exactly 1 (as in coax).
-    Jittable and vmappable over ``rng`` (sizes static).
+    Jittable and vmappable over ``rng`` (sizes static). As quantile levels of a
+    quantile-regression loss, :math:`\tau = 1` targets the maximum of the distribution,
+    which the loss can only push up; the midpoints :math:`(\tau_{i-1} + \tau_i) / 2` (with
+    :math:`\tau_{-1} = 0`) avoid that (``examples/iqn_cartpole.py`` uses them).
 
     Parameters
     ----------
