@@ -102,12 +102,12 @@ def new_agent(seed: int, env: gym.Env, capacity: int) -> dict:
 
 
 def train(
-    agent: dict, env: gym.Env, num_steps: int, warmup: int, epsilon, beta, log_every: float
+    agent: dict, env: gym.Env, num_steps: int, warmup: int, epsilon, beta, log_every: int
 ) -> None:
     """Train in place for ``num_steps`` environment steps, printing progress."""
     rng = np.random.default_rng(agent["step"])
     s, _ = env.reset(seed=int(agent["step"]))
-    ep_return, t0, steps0, last_log = 0.0, time.perf_counter(), agent["step"], 0.0
+    ep_return, t0, steps0 = 0.0, time.perf_counter(), agent["step"]
     for _ in range(num_steps):
         agent["key"], key = jax.random.split(agent["key"])
         if rng.random() < float(epsilon(agent["step"])):
@@ -141,9 +141,8 @@ def train(
             )
             agent["buffer"].update(batch.idx, np.abs(np.asarray(td_error)))
 
-        now = time.perf_counter()
-        if now - last_log >= log_every:
-            last_log = now
+        if agent["step"] % log_every == 0:
+            now = time.perf_counter()
             recent = agent["returns"][-10:]
             print(
                 f"step {agent['step']:6d}  episodes {agent['episode']:4d}  "
@@ -188,13 +187,14 @@ def main() -> int:
     max_steps = 600 if args.smoke else args.max_steps
     eval_every = 300 if args.smoke else 5_000
     first_phase = eval_every
+    log_every = 100 if args.smoke else 1_000
     warmup = 100 if args.smoke else WARMUP_STEPS
     epsilon = utils.StepwiseLinearFunction((0, 1.0), (warmup, 1.0), (10_000, 0.02))
     beta = utils.StepwiseLinearFunction((0, 0.4), (max_steps, 1.0))
 
     agent = new_agent(args.seed, env, capacity=50_000)
     print(f"== phase 1: train {first_phase} steps, then checkpoint to {checkpoint}")
-    train(agent, env, first_phase, warmup, epsilon, beta, log_every=5.0)
+    train(agent, env, first_phase, warmup, epsilon, beta, log_every)
     utils.dump(agent, checkpoint)
     print(f"   checkpoint written: {checkpoint} ({checkpoint.stat().st_size / 1e6:.1f} MB)")
 
@@ -208,7 +208,7 @@ def main() -> int:
 
     avg = float("-inf")
     while agent["step"] < max_steps:
-        train(agent, env, eval_every, warmup, epsilon, beta, log_every=5.0)
+        train(agent, env, eval_every, warmup, epsilon, beta, log_every)
         avg = evaluate(agent["params"], eval_env, num_episodes=10, seed=10_000)
         elapsed = time.perf_counter() - t_start
         print(f"   eval at step {agent['step']}: average return over 10 episodes {avg:.1f} "
