@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
 import functools
 import io
 import json
 import os
 import pickle
 import platform
+import queue
 import secrets
 import struct
 import sys
@@ -949,7 +951,136 @@ def _temp_basename() -> str:
     return f".coax_utils-{os.getpid()}-{secrets.token_hex(6)}.tmp"
 
 
+# Direct I/O (Linux O_DIRECT): file writes that bypass the page cache, in blocks of
+# DIRECT_BLOCK bytes from memory aligned to _ALIGN bytes. USE_O_DIRECT switches it off.
+USE_O_DIRECT = True
+DIRECT_BLOCK = 8 << 20
+_ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Switch O_DIRECT on or off for ``fd``; return whether it is on afterwards."""
+    import fcntl
+
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | _O_DIRECT) if on else (flags & ~_O_DIRECT))
+        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT)
+    except OSError:  # EINVAL: the file system offers no direct I/O (tmpfs, some FUSE)
+        return False
+
+
+def _aligned_buffer(n: int) -> np.ndarray:
+    raw = np.empty(n + _ALIGN, np.uint8)
+    skip = -_address(raw) % _ALIGN
+    return raw[skip : skip + n]
+
+
+class _DirectWriter:
+    """The ``write(offset, piece)`` of :func:`_encode` for a file opened with O_DIRECT.
+
+    Pieces are copied into aligned staging blocks of ``DIRECT_BLOCK`` bytes; a block that is
+    complete (the pieces tile the file, so: once as many bytes as it holds have arrived) goes
+    to a writer thread that writes it with ``os.pwrite``, while the worker threads go on
+    compressing. :meth:`finish` writes the last block padded to the alignment and truncates
+    the file to its size. Should a direct write fail with EINVAL (an alignment the file
+    system does not accept), O_DIRECT is switched off and the write repeated through the
+    page cache.
+    """
+
+    def __init__(self, fd: int, capacity: int) -> None:
+        import ctypes
+
+        self._fd, self._memmove = fd, ctypes.memmove
+        self.block = min(DIRECT_BLOCK, -(-capacity // _ALIGN) * _ALIGN)
+        self._lock = threading.Lock()
+        self._open: dict[int, list[Any]] = {}  # block index -> [buffer, bytes filled]
+        self._free: list[np.ndarray] = []
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=4)  # bounds the memory in flight
+        self._error: BaseException | None = None
+        self._direct = True
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            index, buf, n = job
+            if self._error is None:
+                try:
+                    self._pwrite(buf[:n], index * self.block)
+                except BaseException as e:  # reported by finish(); keep draining the queue
+                    self._error = e
+            self._free.append(buf)
+
+    def _pwrite(self, data: np.ndarray, offset: int) -> None:
+        done = 0
+        while done < data.size:
+            try:
+                done += os.pwrite(self._fd, data[done:], offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self._direct:
+                    raise
+                self._direct = _set_direct(self._fd, False)
+                if self._direct:
+                    raise
+
+    def write(self, offset: int, piece: Any) -> None:
+        src = np.frombuffer(piece, np.uint8)
+        pos = 0
+        while pos < src.size:
+            index, within = divmod(offset + pos, self.block)
+            n = min(self.block - within, src.size - pos)
+            with self._lock:
+                entry = self._open.get(index)
+                if entry is None:
+                    buf = self._free.pop() if self._free else _aligned_buffer(self.block)
+                    entry = self._open[index] = [buf, 0]
+            self._memmove(_address(entry[0]) + within, _address(src) + pos, n)
+            with self._lock:
+                entry[1] += n
+                full = entry[1] == self.block
+                if full:
+                    del self._open[index]
+            if full:
+                self._queue.put((index, entry[0], self.block))
+            pos += n
+
+    def finish(self, size: int) -> None:
+        """Write the last block, wait for the writes and truncate the file to ``size``."""
+        last, n = divmod(size, self.block)
+        if set(self._open) != ({last} if n else set()) or (n and self._open[last][1] != n):
+            raise RuntimeError("checkpoint pieces do not tile the file")  # a bug
+        if n:
+            buf = self._open.pop(last)[0]
+            padded = -(-n // _ALIGN) * _ALIGN
+            buf[n:padded] = 0
+            self._queue.put((last, buf, padded))
+        self.close()
+        if self._error is not None:
+            raise self._error
+        os.ftruncate(self._fd, size)
+
+    def close(self) -> None:
+        """Stop the writer thread (after the blocks already handed to it)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
 def _write_fd(fd: int, stream: memoryview, buffers: list[memoryview]) -> None:
+    if USE_O_DIRECT and _O_DIRECT and _set_direct(fd, True):
+        writer = _DirectWriter(fd, _capacity(stream, buffers))
+        try:
+            writer.finish(_encode(stream, buffers, writer.write))
+        finally:
+            writer.close()
+        os.fsync(fd)
+        return
+    _write_buffered(fd, stream, buffers)
+
+
+def _write_buffered(fd: int, stream: memoryview, buffers: list[memoryview]) -> None:
     # Pieces are written at their offsets (os.pwrite, from the worker threads) as soon as
     # they are ready. Where the OS allows, each written piece is handed to write-back at once
     # (POSIX_FADV_DONTNEED starts it for dirty pages, without waiting), so the disk writes

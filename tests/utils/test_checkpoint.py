@@ -198,6 +198,102 @@ def test_large_dumps_is_bytes_and_matches_the_file(tmp_path):
     assert_tree_equal(utils.loads(s), obj)
 
 
+def direct_io_supported(folder):
+    """Whether files in ``folder`` accept O_DIRECT (ext4, xfs, ...; not every file system)."""
+    fd = os.open(os.path.join(folder, "probe"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        return _checkpoint._set_direct(fd, True)
+    finally:
+        os.close(fd)
+        os.unlink(os.path.join(folder, "probe"))
+
+
+def count_direct_dumps(monkeypatch):
+    calls = []
+    real = _checkpoint._DirectWriter.finish
+
+    def finish(self, size):
+        real(self, size)
+        calls.append(self._direct)  # whether every block went to the file with O_DIRECT
+
+    monkeypatch.setattr(_checkpoint._DirectWriter, "finish", finish)
+    return calls
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["O_DIRECT", "buffered"])
+@pytest.mark.parametrize("size", [3 * 8192, 3 * 8192 + 1234, 100])
+def test_direct_writer_stages_pieces_written_in_any_order(direct, size, tmp_path, monkeypatch):
+    monkeypatch.setattr(_checkpoint, "DIRECT_BLOCK", 8192)
+    rng = np.random.default_rng(size)
+    data = rng.integers(0, 255, size, dtype=np.uint8)
+    cuts = np.unique(np.concatenate([[0, size], rng.integers(0, size, 12)]))
+    pieces = [(int(a), data[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+    rng.shuffle(pieces)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        assert _checkpoint._set_direct(fd, direct) == (direct and direct_io_supported(tmp_path))
+        writer = _checkpoint._DirectWriter(fd, size + 5000)
+        threads = [
+            threading.Thread(target=lambda k=k: [writer.write(o, p) for o, p in pieces[k::3]])
+            for k in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        writer.finish(size)
+        writer.close()  # closing twice is harmless
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == data.tobytes()
+
+
+@pytest.mark.parametrize("unnamed_temp", [True, False], ids=["O_TMPFILE", "named-temp"])
+@pytest.mark.parametrize("use_direct", [True, False], ids=["O_DIRECT", "buffered"])
+def test_dump_with_and_without_o_direct_holds_the_bytes_of_dumps(
+    use_direct, unnamed_temp, tmp_path, monkeypatch
+):
+    rng = np.random.default_rng(6)
+    obj = {"x": np.repeat(rng.integers(0, 9, 100_000), 4), "y": rng.random(50_000), "z": [1]}
+    monkeypatch.setattr(_checkpoint, "USE_O_DIRECT", use_direct)
+    monkeypatch.setattr(_checkpoint, "DIRECT_BLOCK", 1 << 16)
+    if not unnamed_temp:
+        monkeypatch.setattr(_checkpoint, "_write_unnamed", lambda *args: None)
+    calls = count_direct_dumps(monkeypatch)
+    with small_chunks(chunk_size=1 << 15, threads=2):
+        expected = utils.dumps(obj)
+        utils.dump(obj, tmp_path / "d.ckpt")
+        utils.dump([7], tmp_path / "small.ckpt")  # a single block, shorter than the alignment
+        small = utils.dumps([7])
+    assert calls == ([True, True] if use_direct and direct_io_supported(tmp_path) else [])
+    assert (tmp_path / "d.ckpt").read_bytes() == expected
+    assert (tmp_path / "small.ckpt").read_bytes() == small
+    assert_tree_equal(utils.load(tmp_path / "d.ckpt"), obj)
+    assert sorted(os.listdir(tmp_path)) == ["d.ckpt", "small.ckpt"]
+
+
+def test_dump_switches_o_direct_off_when_direct_writes_fail_with_einval(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    real, refused = os.pwrite, []
+
+    def pwrite(fd, data, offset):  # a file system that refuses direct writes of this alignment
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(_checkpoint, "DIRECT_BLOCK", 1 << 16)
+    obj = {"x": np.arange(100_000) % 7}
+    with small_chunks(chunk_size=1 << 15):
+        utils.dump(obj, tmp_path / "e.ckpt")
+        expected = utils.dumps(obj)
+    assert len(refused) == (1 if direct_io_supported(tmp_path) else 0)
+    assert (tmp_path / "e.ckpt").read_bytes() == expected
+
+
 @pytest.mark.parametrize("writer_native", [True, False])
 @pytest.mark.parametrize("reader_native", [True, False])
 def test_ctypes_and_python_lz4_paths_read_each_other(writer_native, reader_native, tmp_path):
@@ -523,6 +619,32 @@ def test_failed_dump_keeps_the_old_file_and_leaves_no_temp_file(
     assert sorted(os.listdir(tmp_path)) == ["ckpt.lz4"]
     assert path.read_bytes() == old
     assert utils.load(path) == {"version": "old"}
+
+
+@pytest.mark.parametrize("unnamed_temp", [True, False], ids=["O_TMPFILE", "named-temp"])
+@pytest.mark.parametrize("use_direct", [True, False], ids=["O_DIRECT", "buffered"])
+def test_dump_that_cannot_write_keeps_the_old_file(use_direct, unnamed_temp, tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "ckpt.lz4"
+    utils.dump({"version": "old"}, path)
+    old = path.read_bytes()
+    monkeypatch.setattr(_checkpoint, "USE_O_DIRECT", use_direct)
+    monkeypatch.setattr(_checkpoint, "DIRECT_BLOCK", 1 << 14)
+    if not unnamed_temp:
+        monkeypatch.setattr(_checkpoint, "_write_unnamed", lambda *args: None)
+    real = os.pwrite
+
+    def pwrite(fd, data, offset):
+        if offset >= 1 << 15:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with small_chunks(chunk_size=1 << 12), pytest.raises(OSError, match="No space"):
+        utils.dump({"version": "new", "data": np.arange(100_000)}, path)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.lz4"]
+    assert path.read_bytes() == old
 
 
 @pytest.mark.parametrize("unnamed_temp", [True, False], ids=["O_TMPFILE", "named-temp"])
