@@ -8,7 +8,8 @@ Variants, timed round robin (A B C A B C ...) after a warm-up:
   and ``dump``/``load`` (an ``lz4.frame`` file of the same pickle), loaded from coax's source
   file.
 - ``coax_utils``: this package (out-of-band array buffers, chunked lz4 on threads, CRC-32;
-  ``dump`` writes a temp file, fsyncs it and renames it, which coax does not do).
+  ``dump`` writes a temp file, with O_DIRECT where the file system allows it, fsyncs it and
+  renames it, which coax does not do).
 - ``zstd-1 (2 threads)``: coax's expression with zstandard level 1 on 2 threads instead of
   lz4, to weigh a codec switch.
 

@@ -1173,6 +1173,9 @@ def dump(obj: Any, filepath: str | os.PathLike) -> None:
     so that not even a killed process leaves it behind), which is flushed, fsynced and
     renamed over ``filepath``; the folder is fsynced too. A dump that fails or is killed
     leaves the previous file at ``filepath`` intact. Missing parent folders are created.
+    Where the file system supports it (Linux ``O_DIRECT``), the file is written with direct
+    I/O, around the page cache, on a writer thread while the next chunks are compressed;
+    elsewhere through the page cache. See :doc:`/checkpoints`.
 
     {references}
 
