@@ -28,6 +28,36 @@ def _path_str(path: Any) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
+def _leaf_columns(
+    trees: Sequence[Any], context: str, item: str
+) -> tuple[Any, list[list[Any]]]:
+    """Line up the leaves of trees of one structure and one set of leaf shapes.
+
+    Returns the common treedef and, for each leaf position, the list of that leaf across the
+    trees. Errors start with ``context`` and call the trees ``f"{item} {i}"``.
+    """
+    leaves0, treedef = jax.tree_util.tree_flatten_with_path(trees[0])
+    flat = [[leaf for _, leaf in leaves0]]
+    for i, tree in enumerate(trees[1:], start=1):
+        leaves, other = jax.tree_util.tree_flatten(tree)
+        if other != treedef:
+            raise ValueError(
+                f"{context}: {item} {i} has structure {other}, expected the structure of "
+                f"{item} 0: {treedef}"
+            )
+        flat.append(leaves)
+    columns = []
+    for j, (path, _) in enumerate(leaves0):
+        column = [leaves[j] for leaves in flat]
+        if len({np.shape(x) for x in column}) > 1:
+            raise ValueError(
+                f"{context}: leaf {_path_str(path)} has different shapes across the inputs: "
+                f"{[np.shape(x) for x in column]}"
+            )
+        columns.append(column)
+    return treedef, columns
+
+
 def batch_to_single(pytree: Any, index: int = 0) -> Any:
     r"""Extract a single instance from a pytree of array batches: ``leaf[index]`` on every leaf.
 
@@ -139,26 +169,8 @@ def stack_trees(*trees: Any) -> Any:
     """
     if not trees:
         raise ValueError("stack_trees needs at least one pytree")
-    leaves0, treedef = jax.tree_util.tree_flatten_with_path(trees[0])
-    all_leaves = [[leaf for _, leaf in leaves0]]
-    for i, tree in enumerate(trees[1:], start=1):
-        leaves, other = jax.tree_util.tree_flatten(tree)
-        if other != treedef:
-            raise ValueError(
-                f"stack_trees: tree {i} has structure {other}, expected the structure of tree 0: "
-                f"{treedef}"
-            )
-        all_leaves.append(leaves)
-    stacked = []
-    for j, (path, _) in enumerate(leaves0):
-        column = [leaves[j] for leaves in all_leaves]
-        shapes = {np.shape(x) for x in column}
-        if len(shapes) > 1:
-            raise ValueError(
-                f"stack_trees: leaf {_path_str(path)} has different shapes across trees: "
-                f"{[np.shape(x) for x in column]}"
-            )
-        stacked.append(jnp.stack(column))
+    treedef, columns = _leaf_columns(trees, "stack_trees", "tree")
+    stacked = [jnp.stack(column) for column in columns]
     return jax.tree_util.tree_unflatten(treedef, stacked)
 
 
@@ -422,24 +434,9 @@ def sync_shared_params(
     averaged = {}
     for k in shared:
         modules = [p[k] for p in params]
-        leaves0, treedef = jax.tree_util.tree_flatten_with_path(modules[0])
-        flat = [[leaf for _, leaf in leaves0]]
-        for i, module in enumerate(modules[1:], start=1):
-            leaves, other = jax.tree_util.tree_flatten(module)
-            if other != treedef:
-                raise ValueError(
-                    f"shared module {k!r} has structure {other} in params[{i}], expected "
-                    f"{treedef} (as in params[0])"
-                )
-            flat.append(leaves)
+        treedef, columns = _leaf_columns(modules, f"shared module {k!r}", "params")
         new_leaves = []
-        for j, (path, _) in enumerate(leaves0):
-            column = [leaves[j] for leaves in flat]
-            if len({np.shape(x) for x in column}) > 1:
-                raise ValueError(
-                    f"shared module {k!r}, param {_path_str(path)} has different shapes: "
-                    f"{[np.shape(x) for x in column]}"
-                )
+        for column in columns:
             avg = sum(w * jnp.asarray(x) for w, x in zip(rel, column))
             new_leaves.append(avg.astype(jnp.result_type(column[0])))
         averaged[k] = jax.tree_util.tree_unflatten(treedef, new_leaves)
