@@ -28,9 +28,7 @@ def _path_str(path: Any) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
-def _leaf_columns(
-    trees: Sequence[Any], context: str, item: str
-) -> tuple[Any, list[list[Any]]]:
+def _leaf_columns(trees: Sequence[Any], context: str, item: str) -> tuple[Any, list[list[Any]]]:
     """Line up the leaves of trees of one structure and one set of leaf shapes.
 
     Returns the common treedef and, for each leaf position, the list of that leaf across the
