@@ -67,6 +67,8 @@ from coax_utils.utils._checkpoint import dump
 from coax_utils.utils._checkpoint import dumps
 from coax_utils.utils._checkpoint import load
 from coax_utils.utils._checkpoint import loads
+from coax_utils.utils._checkpoint import UnsafeCheckpointError
+from coax_utils.utils._ckpt_tree import register_checkpoint_type
 # -- environments and GIFs -----------------------------------------------------------------
 from coax_utils.utils._envs import check_preprocessors
 from coax_utils.utils._envs import default_preprocessor
@@ -87,6 +89,7 @@ __all__ = [
     "StepwiseLinearFunction",
     "SumTree",
     "SumTreeState",
+    "UnsafeCheckpointError",
     "argmax",
     "argmin",
     "batch_to_single",
@@ -128,6 +131,7 @@ __all__ = [
     "quantile_cos_embedding",
     "quantiles",
     "quantiles_uniform",
+    "register_checkpoint_type",
     "reload_recursive",
     "render_episode",
     "safe_sample",

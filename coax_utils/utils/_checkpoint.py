@@ -1,783 +1,180 @@
 """Checkpoints: ``dump``, ``dumps``, ``load`` and ``loads``.
 
-File layout (format version 1, all integers little-endian)::
+A checkpoint (format version 2) is a container of byte segments (see ``_ckpt_container``):
 
-    header   MAGIC (8 bytes) | version u32 | meta_len u32 | meta (JSON) | crc32 u32
-    body     the stored chunks, one after the other
-    index    JSON: for every segment its size and, per chunk, [stored_len, crc32, codec]
-    footer   index_offset u64 | index_len u64 | index_crc u32 | footer_crc u32 | END_MAGIC
+- segment 0: the structure of the object, as JSON (see ``_ckpt_tree`` for its nodes);
+- segment 1: the pickle section, a cloudpickle of the objects that are not plain data
+  (functions, foreign classes), empty when there are none;
+- segment 2: the small array buffers, one after the other;
+- segments 3, 4, ...: one large array buffer each.
 
-Segment 0 is the pickle stream (cloudpickle, protocol 5); the other segments are the array
-buffers that the pickler handed out of band. Every segment is cut into chunks of
-``chunk_size`` bytes, each compressed on its own with ``lz4.block`` (or stored as is when lz4
-does not make it smaller), so that threads can work on chunks in parallel. Every byte of the
-file is covered by a CRC-32 (header, chunks, index, footer).
+``load(..., safe=True)`` reads only the structure and the buffers, and refuses a file whose
+pickle section is not empty. Files of format version 1 (a pickle with out-of-band buffers)
+and coax's files (``lz4.frame.compress(cloudpickle.dumps(obj))``) load with ``safe=False``.
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import errno
-import functools
 import io
 import json
 import os
 import pickle
-import platform
-import queue
-import secrets
-import struct
-import sys
-import threading
-import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 import jax
-import lz4.block
-import lz4.frame
 import numpy as np
 
 from coax_utils._version import __version__
+from coax_utils.utils._ckpt_container import (
+    Corrupt,
+    FileSource,
+    MemorySource,
+    decompress_legacy_frame,
+    is_legacy_frame,
+    parse,
+    read_segments,
+    write_container,
+)
+from coax_utils.utils._ckpt_files import as_path, atomic_write, open_regular_file
+from coax_utils.utils._ckpt_tree import (
+    Decoder,
+    Encoder,
+    UnsafeCheckpointError,
+    jax_array,
+    segments_to_read,
+)
 
-__all__ = ["dump", "dumps", "load", "loads"]
+__all__ = ["UnsafeCheckpointError", "dump", "dumps", "load", "loads"]
 
-MAGIC = b"\x89COAXCK\n"
-END_MAGIC = b"\nKCXAOC\x89"
-FORMAT_VERSION = 1
-# Bytes of raw data per compressed chunk. Each chunk starts without an lz4 history, which
-# costs about 1 KB of output on compressible data: at 16 MiB that is less than what the block
-# headers of an lz4 frame cost (coax's format), and still many chunks for the threads.
-CHUNK_SIZE = 16 << 20
-INBAND_LIMIT = 64 << 10  # array buffers smaller than this stay inside the pickle stream
-MAX_THREADS = 4
-
-_LZ4_FRAME_MAGIC = b"\x04\x22\x4d\x18"
-_HEADER = struct.Struct("<8sII")
-_CRC = struct.Struct("<I")
-_FOOTER = struct.Struct("<QQII8s")
-_RAW, _LZ4 = 0, 1
+FORMAT_VERSION = 2
+_STRUCTURE, _PICKLES = 0, 1
 
 
-# -- array reduction -----------------------------------------------------------------------
-
-
-def _array_payload(arr: np.ndarray) -> tuple[Any, np.dtype, tuple[int, ...], str]:
-    """Describe a numpy array as (flat byte buffer, dtype, shape, order) without copying."""
-    if arr.nbytes == 0:
-        return None, arr.dtype, arr.shape, "C"
-    if arr.flags.c_contiguous:
-        data, order = arr, "C"
-    elif arr.flags.f_contiguous:
-        data, order = arr.T, "F"
-    else:
-        data, order = np.ascontiguousarray(arr), "C"
-    return pickle.PickleBuffer(data.reshape(-1).view(np.uint8)), arr.dtype, arr.shape, order
+# -- format version 1 (read with safe=False only; its pickles name these three functions) ---
 
 
 def _array_from_payload(buf: Any, dtype: Any, shape: Any, order: str) -> np.ndarray:
     dtype = np.dtype(dtype)
-    if dtype.hasobject:
-        raise pickle.UnpicklingError(f"array buffers cannot hold Python objects (dtype {dtype})")
-    if order not in ("C", "F"):
-        raise pickle.UnpicklingError(f"unknown array order {order!r}; expected 'C' or 'F'")
     shape = tuple(int(n) for n in shape)
     if buf is None:
         return np.empty(shape, dtype)
     flat = np.frombuffer(buf, dtype=np.uint8).view(dtype)
-    if order == "C":
-        return flat.reshape(shape)
-    return flat.reshape(shape[::-1]).T
+    return flat.reshape(shape) if order == "C" else flat.reshape(shape[::-1]).T
 
 
 def _rebuild_ndarray(buf: Any, dtype: Any, shape: Any, order: str) -> np.ndarray:
-    """Rebuild a numpy array saved by :func:`dumps` (always writable)."""
+    """Rebuild a numpy array of a version-1 file (always writable)."""
     arr = _array_from_payload(buf, dtype, shape, order)
-    if not arr.flags.writeable:
-        arr = arr.copy(order="K")
-    return arr
+    return arr if arr.flags.writeable else arr.copy(order="K")
 
 
 def _rebuild_jax_array(buf: Any, dtype: Any, shape: Any, weak_type: bool) -> jax.Array:
-    """Rebuild a jax array saved by :func:`dumps` (placed on the default device)."""
-    x = jax.device_put(_array_from_payload(buf, dtype, shape, "C"))
-    if weak_type:
-        x.aval = x.aval.update(weak_type=True)
-    return x
+    """Rebuild a jax array of a version-1 file (placed on the default device)."""
+    return jax_array(_array_from_payload(buf, dtype, shape, "C"), bool(weak_type))
 
 
 def _rebuild_jax_key(data: Any, impl: str) -> jax.Array:
-    """Rebuild a typed PRNG key array saved by :func:`dumps`."""
+    """Rebuild a typed PRNG key array of a version-1 file."""
     return jax.random.wrap_key_data(data, impl=str(impl))
 
 
-def _reduce_jax_array(x: jax.Array) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return _rebuild_jax_key, (jax.random.key_data(x), str(jax.random.key_impl(x)))
-    buf, dtype, shape, _ = _array_payload(np.asarray(x))
-    return _rebuild_jax_array, (buf, dtype, shape, bool(getattr(x, "weak_type", False)))
+# -- writing ---------------------------------------------------------------------------------
 
 
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle with numpy/jax array memory handed out as raw byte buffers."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        t = type(obj)
-        if t is np.ndarray and not obj.dtype.hasobject:
-            return _rebuild_ndarray, _array_payload(obj)
-        if isinstance(obj, jax.Array):
-            return _reduce_jax_array(obj)
-        return super().reducer_override(obj)
-
-
-def _pickle(obj: Any) -> tuple[memoryview, list[memoryview]]:
-    """Pickle ``obj``; return the pickle stream and the out-of-band buffers."""
-    buffers: list[memoryview] = []
-
-    def keep_out_of_band(pb: pickle.PickleBuffer) -> bool:
-        raw = pb.raw()
-        if raw.nbytes < INBAND_LIMIT:
-            return True  # small: serialize in-band
-        buffers.append(raw)
-        return False
-
-    f = io.BytesIO()
-    _Pickler(f, protocol=5, buffer_callback=keep_out_of_band).dump(obj)
-    return f.getbuffer(), buffers
+def _segments(obj: Any) -> list[list[memoryview]]:
+    """Encode ``obj``: the container's segments (errors surface before anything is written)."""
+    encoder = Encoder()
+    structure = json.dumps(encoder.encode(obj), separators=(",", ":")).encode()
+    pickled = b""
+    if encoder.pickled:
+        pickled = cloudpickle.dumps(encoder.pickled, protocol=pickle.HIGHEST_PROTOCOL)
+    segments = encoder.segments
+    segments[_STRUCTURE] = [memoryview(structure)]
+    segments[_PICKLES] = [memoryview(pickled)]
+    return segments
 
 
-# -- threads ---------------------------------------------------------------------------------
+def _write(segments: list[list[memoryview]], write: Callable[[Any], None]) -> None:
+    meta = {"format": "coax_utils checkpoint", "coax_utils": __version__}
+    write_container(FORMAT_VERSION, meta, segments, write)
 
 
-def _num_threads() -> int:
+# -- reading ---------------------------------------------------------------------------------
+
+
+def _unsafe(source: str, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{source} holds {what}, which only unpickling can restore, and safe=True never "
+        "unpickles. Load it with safe=False only if you trust its source; to get a file that "
+        "safe mode reads, load it once that way and dump it again (classes of your own that "
+        "hold plain data can be registered with coax_utils.utils.register_checkpoint_type)."
+    )
+
+
+def _unpickle(stream: Any, buffers: list[Any] | None = None) -> Any:
     try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, n))
+        return pickle.Unpickler(io.BytesIO(stream), buffers=buffers).load()
+    except (pickle.UnpicklingError, EOFError) as e:
+        raise Corrupt(f"the pickle is damaged ({e})") from None
 
 
-_END = object()
-
-
-def _map_ordered(fn: Callable[[Any], Any], items: list[Any], nbytes: int) -> Iterator[Any]:
-    """``map(fn, items)`` on a few threads (lz4 and crc32 release the GIL), results in order."""
-    workers = min(_num_threads(), len(items))
-    if workers < 2 or nbytes < min(2 * CHUNK_SIZE, 1 << 20):  # threads would not pay off
-        yield from map(fn, items)
-        return
-    pool = concurrent.futures.ThreadPoolExecutor(workers)
+def _load_v2(data: Any, container: Any, safe: bool, source: str) -> Any:
+    sizes = [n for n, _ in container.segments]
+    if len(sizes) < 3:
+        raise Corrupt("fewer segments than a version-2 checkpoint has")
+    raw = read_segments(data, container, [_STRUCTURE])[_STRUCTURE]
     try:
-        it = iter(items)
-        pending = collections.deque(pool.submit(fn, x) for _, x in zip(range(2 * workers), it))
-        while pending:
-            result = pending.popleft().result()
-            nxt = next(it, _END)
-            if nxt is not _END:
-                pending.append(pool.submit(fn, nxt))
-            yield result
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        structure = json.loads(raw.tobytes())
+    except (ValueError, RecursionError) as e:
+        raise Corrupt(f"the structure is not valid JSON ({e})") from None
+    if safe and sizes[_PICKLES]:
+        described = structure.get("pickled") if isinstance(structure, dict) else None
+        first = described[0] if isinstance(described, list) and described else "?"
+        raise _unsafe(source, f"an object that is not plain data ({str(first)[:200]!r})")
+    segments = read_segments(data, container, segments_to_read(structure, sizes))
+    pickled = None
+    if not safe:
+        pickled = []
+        if sizes[_PICKLES]:
+            stream = read_segments(data, container, [_PICKLES])[_PICKLES]
+            pickled = _unpickle(stream)
+            if type(pickled) is not list:
+                raise Corrupt("the pickle section is not a list")
+    decoder = Decoder(structure, segments, pickled)
+    del segments  # the decoder hands each large buffer to its array and drops it
+    return decoder.decode()
 
 
-# -- lz4 -----------------------------------------------------------------------------------
-
-
-@functools.cache
-def _lz4_native() -> tuple[Callable[..., int], Callable[..., int]] | None:
-    """``LZ4_compress_default`` and ``LZ4_decompress_safe`` from the C library in python-lz4.
-
-    python-lz4 returns new ``bytes`` (allocated and copied with the GIL held); calling the C
-    functions through ctypes compresses and decompresses straight into our own buffers, with
-    the GIL released. Returns None when the symbols are not found or do not behave like the
-    python-lz4 API (a self-test), in which case python-lz4's functions are used.
-    """
-    import ctypes
-
+def _load_from(data: Any, safe: bool, source: str) -> Any:
     try:
-        lib = ctypes.CDLL(lz4.block._block.__file__)
-        compress, decompress = lib.LZ4_compress_default, lib.LZ4_decompress_safe
-    except (OSError, AttributeError):
-        return None
-    for fn in (compress, decompress):
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    sample = np.frombuffer(b"coax_utils checkpoint self-test " * 64 + bytes(range(256)), np.uint8)
-    packed = np.empty(_lz4_bound(sample.size), np.uint8)
-    out = np.empty(sample.size, np.uint8)
-    try:
-        k = compress(_address(sample), _address(packed), sample.size, packed.size)
-        if not 0 < k < sample.size:
-            return None
-        n = decompress(_address(packed), _address(out), k, out.size)
-        theirs = lz4.block.decompress(packed[:k].tobytes(), uncompressed_size=sample.size)
-    except Exception:  # any failure means: do not use the C functions
-        return None
-    if n != sample.size or out.tobytes() != sample.tobytes() or theirs != sample.tobytes():
-        return None
-    return compress, decompress
-
-
-def _lz4_bound(n: int) -> int:
-    return n + n // 255 + 16
-
-
-def _address(arr: np.ndarray) -> int:
-    return arr.__array_interface__["data"][0]
-
-
-def _compress_chunk(chunk: memoryview, out: np.ndarray | None = None) -> tuple[Any, int, int]:
-    """Compress one chunk; return (stored bytes, codec, crc32 of the stored bytes).
-
-    ``out`` (a uint8 array of at least ``_lz4_bound(chunk.nbytes)`` bytes) receives the
-    compressed bytes where the C functions are available; the stored bytes are then a view
-    of it, or ``chunk`` itself when lz4 does not make it smaller.
-    """
-    native = _lz4_native()
-    if native is None:
-        packed: Any = lz4.block.compress(chunk, store_size=False)
-        k = len(packed)
-    else:
-        src = np.frombuffer(chunk, np.uint8)
-        if out is None:
-            out = np.empty(_lz4_bound(src.size), np.uint8)
-        k = native[0](_address(src), _address(out), src.size, out.size)
-        packed = out[:k]
-    if k <= 0 or k >= chunk.nbytes:  # lz4 does not help: store the chunk as it is
-        return chunk, _RAW, zlib.crc32(chunk)
-    return packed, _LZ4, zlib.crc32(packed)
-
-
-def _decompress_into(src: Any, codec: int, dest: np.ndarray) -> None:
-    """Decompress one stored chunk into ``dest`` (a uint8 array of the raw chunk size)."""
-    if codec == _RAW:
-        if len(src) != dest.size:
-            raise _Corrupt("stored chunk has the wrong size")
-        dest[:] = np.frombuffer(src, np.uint8)
-        return
-    if codec != _LZ4:
-        raise _Corrupt(f"unknown chunk codec {codec}")
-    native = _lz4_native()
-    if native is not None:
-        src = np.frombuffer(src, np.uint8)
-        if native[1](_address(src), _address(dest), src.size, dest.size) != dest.size:
-            raise _Corrupt("lz4 chunk does not decompress to its recorded size")
-        return
-    try:
-        out = lz4.block.decompress(src, uncompressed_size=dest.size)
-    except lz4.block.LZ4BlockError as e:
-        raise _Corrupt(f"lz4 chunk does not decompress: {e}") from None
-    if len(out) != dest.size:
-        raise _Corrupt("lz4 chunk does not decompress to its recorded size")
-    dest[:] = np.frombuffer(out, np.uint8)
-
-
-# -- encoding ------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=4)
-def _metadata(chunk_size: int) -> bytes:
-    meta = {
-        "format": "coax_utils checkpoint",
-        "writer": f"coax_utils {__version__}",
-        "python": platform.python_version(),
-        "pickle_protocol": 5,
-        "codec": "lz4.block",
-        "checksum": "crc32",
-        "chunk_size": chunk_size,
-    }
-    return json.dumps(meta, sort_keys=True).encode()
-
-
-def _header(chunk_size: int) -> bytes:
-    meta = _metadata(chunk_size)
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(meta)) + meta
-    return header + _CRC.pack(zlib.crc32(header))
-
-
-def _encode(
-    stream: memoryview, buffers: list[memoryview], write: Callable[[int, Any], None]
-) -> int:
-    """Encode a checkpoint: call ``write(offset, piece)`` for every piece; return the size.
-
-    The pieces (bytes-like) tile ``[0, size)``. With several threads, ``write`` is called
-    from the worker threads, in any order, as soon as a piece's place is known: the copies
-    (or file writes) run in parallel with each other and with the compression of later
-    chunks. A piece may only be used during its call. Compressed chunks go to scratch
-    buffers that are reused as soon as they are written.
-    """
-    chunk_size = CHUNK_SIZE
-    header = _header(chunk_size)
-    segments = [stream, *buffers]
-    chunks = [seg[i : i + chunk_size] for seg in segments for i in range(0, seg.nbytes, chunk_size)]
-    total = sum(seg.nbytes for seg in segments)
-    bound = _lz4_bound(min(chunk_size, max((c.nbytes for c in chunks), default=0)))
-    free: list[np.ndarray] = []  # scratch buffers (list.pop/append are atomic)
-
-    def compress(chunk: memoryview) -> tuple[Any, int, int, np.ndarray | None]:
-        if _lz4_native() is None:  # python-lz4 returns new bytes
-            return (*_compress_chunk(chunk), None)
-        try:
-            scratch = free.pop()
-        except IndexError:
-            scratch = _scratch_buffer(bound)
-        stored, codec, crc = _compress_chunk(chunk, scratch)
-        if codec == _RAW:  # the scratch buffer holds nothing
-            free.append(scratch)
-            scratch = None
-        return stored, codec, crc, scratch
-
-    def store(job: tuple[int, Any, np.ndarray | None]) -> None:
-        offset, stored, scratch = job
-        write(offset, stored)
-        if scratch is not None:
-            free.append(scratch)
-
-    table: list[list[int]] = []
-    offset = len(header)
-    workers = min(_num_threads(), len(chunks))
-    if workers < 2 or total < min(2 * CHUNK_SIZE, 1 << 20):  # threads would not pay off
-        write(0, header)
-        for chunk in chunks:
-            stored, codec, crc, scratch = compress(chunk)
-            n = len(memoryview(stored))
-            store((offset, stored, scratch))
-            table.append([n, crc, codec])
-            offset += n
-    else:
-        pool = concurrent.futures.ThreadPoolExecutor(workers)
-        try:
-            stores = [pool.submit(store, (0, header, None))]
-            it = iter(chunks)
-            pending = collections.deque(
-                pool.submit(compress, c) for _, c in zip(range(2 * workers), it)
-            )
-            while pending:
-                stored, codec, crc, scratch = pending.popleft().result()
-                nxt = next(it, _END)
-                if nxt is not _END:
-                    pending.append(pool.submit(compress, nxt))
-                n = len(memoryview(stored))
-                stores.append(pool.submit(store, (offset, stored, scratch)))
-                table.append([n, crc, codec])
-                offset += n
-            for f in stores:
-                f.result()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-    index_segments, k = [], 0
-    for seg in segments:
-        n_chunks = -(-seg.nbytes // chunk_size)
-        index_segments.append([seg.nbytes, table[k : k + n_chunks]])
-        k += n_chunks
-    index = json.dumps({"segments": index_segments}, separators=(",", ":")).encode()
-    fields = struct.pack("<QQI", offset, len(index), zlib.crc32(index))
-    footer = _FOOTER.pack(offset, len(index), zlib.crc32(index), zlib.crc32(fields), END_MAGIC)
-    write(offset, index + footer)
-    return offset + len(index) + len(footer)
-
-
-def _capacity(stream: memoryview, buffers: list[memoryview]) -> int:
-    """An upper bound of the size of the encoded checkpoint."""
-    n = len(_header(CHUNK_SIZE)) + 64 + _FOOTER.size
-    for seg in (stream, *buffers):
-        full, rest = divmod(seg.nbytes, CHUNK_SIZE)
-        n += full * _lz4_bound(CHUNK_SIZE) + (_lz4_bound(rest) if rest else 0)
-        n += 64 * (full + 2)  # its index entry: at most 64 characters per chunk and segment
-    return n
-
-
-def _scratch_buffer(n: int) -> np.ndarray:
-    # From the heap: after the first call, malloc serves buffers of this size from memory
-    # the process already has mapped (no page faults), unlike fresh anonymous mappings.
-    return np.empty(n, np.uint8)
-
-
-# -- assembling the result of dumps ---------------------------------------------------------
-
-# Results smaller than this are built with b"".join; the in-place path pays off above it.
-_DIRECT_JOIN_MIN = 1 << 20
-
-
-class _BytesApi:
-    """CPython's C functions to build a ``bytes`` object in place, called through ctypes.
-
-    ``PyBytes_FromStringAndSize(NULL, n)`` makes a ``bytes`` object whose contents its
-    owner fills before anyone else sees it, and ``_PyBytes_Resize`` changes its size while
-    it has no other reference (both documented in the C API, used by C extensions that build
-    bytes). With them, :func:`dumps` writes the checkpoint straight into its result, from
-    several threads, and trims the unused end; no second copy of the result is made.
-    """
-
-    def __init__(self) -> None:
-        import ctypes
-
-        api = ctypes.pythonapi
-        # item access makes private function objects: the shared ones keep their signatures
-        self.new = api["PyBytes_FromStringAndSize"]
-        self.new.restype, self.new.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_ssize_t]
-        self.data = api["PyBytes_AsString"]
-        self.data.restype, self.data.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
-        self.resize = api["_PyBytes_Resize"]
-        self.resize.restype = ctypes.c_int
-        self.resize.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        # PyBytes_FromObject returns a new reference to an exact bytes object: here, the
-        # way to hand the finished object to Python
-        self.adopt = api["PyBytes_FromObject"]
-        self.adopt.restype, self.adopt.argtypes = ctypes.py_object, [ctypes.c_void_p]
-        self.decref = api["Py_DecRef"]
-        self.decref.restype, self.decref.argtypes = None, [ctypes.c_void_p]
-
-
-class _BytesBuilder:
-    """A new ``bytes`` object of ``capacity`` bytes, written at offsets, then trimmed."""
-
-    def __init__(self, api: _BytesApi, capacity: int) -> None:
-        import ctypes
-
-        self._api, self._ctypes = api, ctypes
-        self._ptr = ctypes.c_void_p(api.new(None, capacity))  # the one (owned) reference
-        if not self._ptr.value:
-            raise MemoryError(f"cannot allocate {capacity} bytes")
-        self._start, self._capacity = api.data(self._ptr), capacity
-
-    def write(self, offset: int, piece: Any) -> None:
-        src = np.frombuffer(piece, np.uint8)
-        if offset < 0 or offset + src.size > self._capacity:
-            raise ValueError("write outside the buffer")  # a bug: never overrun the object
-        self._ctypes.memmove(self._start + offset, _address(src), src.size)  # releases the GIL
-
-    def finish(self, size: int) -> bytes:
-        """Trim to ``size`` bytes and return the object (the builder is then empty)."""
-        if self._api.resize(self._ctypes.byref(self._ptr), size) != 0 or not self._ptr.value:
-            self._ptr.value = None  # _PyBytes_Resize freed the object
-            raise MemoryError(f"cannot resize a bytes object to {size} bytes")
-        out = self._api.adopt(self._ptr)
-        self.close()
-        return out
-
-    def close(self) -> None:
-        if self._ptr.value:
-            self._api.decref(self._ptr)
-            self._ptr.value = None
-
-
-@functools.cache
-def _bytes_api() -> _BytesApi | None:
-    """The C functions of :class:`_BytesApi`, or None (then ``b"".join`` is used).
-
-    None where they are missing (not CPython) or fail a self-test.
-    """
-    if sys.implementation.name != "cpython":
-        return None
-    try:
-        api = _BytesApi()
-        builder = _BytesBuilder(api, 4096)
-        try:
-            builder.write(0, b"coax_utils")
-            builder.write(10, bytes(range(256)))
-            out = builder.finish(266)
-        finally:
-            builder.close()
-    except Exception:  # any failure means: use b"".join
-        return None
-    expected = b"coax_utils" + bytes(range(256))
-    if type(out) is not bytes or out != expected or hash(out) != hash(expected):
-        return None
-    if sys.getrefcount(out) > 2:  # ours and getrefcount's argument: nothing leaked
-        return None
-    return api
-
-
-def _dumps_pieces(stream: memoryview, buffers: list[memoryview]) -> bytes:
-    pieces: dict[int, bytes] = {}
-
-    def write(offset: int, piece: Any) -> None:
-        pieces[offset] = bytes(piece)  # pieces in scratch buffers are reused
-
-    _encode(stream, buffers, write)
-    return b"".join(pieces[k] for k in sorted(pieces))
-
-
-# -- decoding ------------------------------------------------------------------------------
-
-
-class _Corrupt(Exception):
-    """Raised internally when the data fails a structural or checksum test."""
-
-
-class UnsafeGlobalError(pickle.UnpicklingError):
-    """A ``safe=True`` load met a global (function or class) that is not plain data."""
-
-
-class _MemorySource:
-    """Checkpoint bytes in memory; ``read`` returns zero-copy views."""
-
-    def __init__(self, view: memoryview) -> None:
-        self.view, self.size = view, len(view)
-
-    def read(self, offset: int, n: int) -> memoryview:
-        return self.view[offset : offset + n]
-
-
-class _FileSource:
-    """An open checkpoint file; ``read`` uses ``os.preadv`` into a per-thread buffer.
-
-    Chunks are read where they are needed, by the thread that decompresses them, into a
-    buffer that thread reuses: the compressed file is never held in memory as a whole. The
-    returned view is valid until the same thread reads again.
-    """
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd, self.size = fd, size
-        self._local = threading.local()
-
-    def read(self, offset: int, n: int) -> memoryview:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = self._local.buf = bytearray(max(n, min(self.size, _lz4_bound(CHUNK_SIZE))))
-        view = memoryview(buf)[:n]
-        got = 0
-        while got < n:
-            k = os.preadv(self.fd, [view[got:]], offset + got)
-            if k <= 0:
-                raise _Corrupt("file is shorter than its index says (truncated?)")
-            got += k
-        return view
-
-
-def _parse(source: Any) -> tuple[int, list[tuple[int, list[tuple[int, int, int]]]], int]:
-    """Check header, footer and index; return (chunk_size, segments, body_start)."""
-    size = source.size
-    if size < _HEADER.size + _CRC.size + _FOOTER.size:
-        raise _Corrupt(f"only {size} bytes, too short for a checkpoint (truncated?)")
-    magic, version, meta_len = _HEADER.unpack(bytes(source.read(0, _HEADER.size)))
-    if magic != MAGIC:
-        raise _Corrupt("unrecognised header (neither coax_utils nor legacy coax lz4 data)")
-    if version > FORMAT_VERSION or version < 1:
-        raise _Corrupt(
-            f"format version {version} is not supported (this coax_utils {__version__} reads "
-            f"versions 1 to {FORMAT_VERSION}; upgrade coax_utils)"
-        )
-    body_start = _HEADER.size + meta_len + _CRC.size
-    if body_start + _FOOTER.size > size:
-        raise _Corrupt("header larger than the data (truncated?)")
-    header = bytes(source.read(0, body_start))
-    if zlib.crc32(header[: -_CRC.size]) != _CRC.unpack(header[-_CRC.size :])[0]:
-        raise _Corrupt("header checksum mismatch")
-    meta = json.loads(header[_HEADER.size : _HEADER.size + meta_len])
-    if meta.get("codec") != "lz4.block" or meta.get("checksum") != "crc32":
-        raise _Corrupt(f"unsupported codec/checksum {meta.get('codec')}/{meta.get('checksum')}")
-    chunk_size = int(meta["chunk_size"])
-    footer_at = size - _FOOTER.size
-    footer = bytes(source.read(footer_at, _FOOTER.size))
-    index_offset, index_len, index_crc, footer_crc, end = _FOOTER.unpack(footer)
-    fields = struct.pack("<QQI", index_offset, index_len, index_crc)
-    if end != END_MAGIC or zlib.crc32(fields) != footer_crc:
-        raise _Corrupt("footer missing or damaged (truncated or corrupted data)")
-    if index_offset < body_start or index_offset + index_len != footer_at:
-        raise _Corrupt("index position inconsistent with the data length (truncated?)")
-    index = bytes(source.read(index_offset, index_len))
-    if zlib.crc32(index) != index_crc:
-        raise _Corrupt("index checksum mismatch")
-    segments = [
-        (int(n), [(int(k), int(crc), int(codec)) for k, crc, codec in chunks])
-        for n, chunks in json.loads(index)["segments"]
-    ]
-    stored = 0
-    for n, chunks in segments:
-        if chunk_size <= 0 or len(chunks) != -(-n // chunk_size):
-            raise _Corrupt("index chunk count inconsistent with segment size")
-        for i, (k, _, _) in enumerate(chunks):
-            # lz4 expands at most ~255x: refuse to allocate what no stored chunk can fill
-            if min(chunk_size, n - i * chunk_size) > 256 * k + 64:
-                raise _Corrupt("index claims more data than the stored chunks can hold")
-        stored += sum(k for k, _, _ in chunks)
-    if not segments or body_start + stored != index_offset:
-        raise _Corrupt("index inconsistent with the body length")
-    return chunk_size, segments, body_start
-
-
-def _decode(source: Any) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Return the pickle stream and the (writable) out-of-band buffers."""
-    chunk_size, segments, pos = _parse(source)
-    jobs, outputs, total = [], [], 0
-    for n, chunks in segments:
-        dest = np.empty(n, np.uint8)
-        outputs.append(dest)
-        total += n
-        for i, (k, crc, codec) in enumerate(chunks):
-            jobs.append((pos, k, crc, codec, dest[i * chunk_size : (i + 1) * chunk_size]))
-            pos += k
-
-    def run(job: tuple[int, int, int, int, np.ndarray]) -> None:
-        offset, k, crc, codec, dest = job
-        src = source.read(offset, k)
-        if zlib.crc32(src) != crc:
-            raise _Corrupt("chunk checksum mismatch (bit flip or damaged data)")
-        _decompress_into(src, codec, dest)
-
-    for _ in _map_ordered(run, jobs, total):
-        pass
-    return outputs[0], outputs[1:]
-
-
-def _legacy_stream(source: Any) -> bytes:
-    """Decompress a coax checkpoint: ``lz4.frame.compress(cloudpickle.dumps(obj))``."""
-    try:
-        return lz4.frame.decompress(source.read(0, source.size))
-    except RuntimeError as e:
-        raise _Corrupt(f"legacy coax lz4 frame does not decompress: {e}") from None
-
-
-# -- safe unpickling -----------------------------------------------------------------------
-
-_SAFE_BUILTINS = frozenset(
-    "bool bytearray bytes complex dict float frozenset int list object range set slice str "
-    "tuple".split()
-)
-_SAFE_GLOBALS = frozenset(
-    [
-        ("collections", "OrderedDict"),
-        ("collections", "defaultdict"),
-        ("collections", "deque"),
-        ("collections", "Counter"),
-        ("copyreg", "_reconstructor"),
-        ("copyreg", "__newobj__"),
-        ("copyreg", "__newobj_ex__"),
-        ("numpy", "dtype"),
-        ("numpy._core.multiarray", "scalar"),
-        ("numpy.core.multiarray", "scalar"),
-        ("numpy._core.numeric", "_frombuffer"),
-        ("numpy.core.numeric", "_frombuffer"),
-        ("numpy._core._internal", "_convert_to_stringdtype_kwargs"),  # StringDType
-        ("numpy.random._pickle", "__randomstate_ctor"),
-        ("numpy.random._pickle", "__generator_ctor"),
-        ("numpy.random._pickle", "__bit_generator_ctor"),
-        ("numpy.random.bit_generator", "__pyx_unpickle_SeedSequence"),
-        ("jax._src.array", "_reconstruct_array"),
-        (__name__, "_rebuild_ndarray"),
-        (__name__, "_rebuild_jax_array"),
-        (__name__, "_rebuild_jax_key"),
-    ]
-)
-# Packages whose classes (not functions) are accepted: their states are plain data.
-_SAFE_CLASS_PACKAGES = ("coax_utils", "haiku", "optax")
-_NUMPY_PACKAGES = ("numpy", "ml_dtypes")
-
-
-class _NdarrayToken:
-    """Stands for ``numpy.ndarray`` in safe mode.
-
-    The class itself is not safe to hand out: ``numpy.ndarray(shape, object, buffer)`` makes
-    an object array whose pointers are bytes from the file. Pickles of object arrays only
-    need it as the first argument of ``numpy._core.multiarray._reconstruct``.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        raise UnsafeGlobalError(
-            "refusing to call global 'numpy.ndarray': in safe mode it only rebuilds pickled "
-            "arrays (it could turn bytes of the file into object pointers)"
-        )
-
-
-_NDARRAY_TOKEN = _NdarrayToken()
-
-
-def _safe_reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
-    """``numpy._core.multiarray._reconstruct`` restricted to plain ndarrays."""
-    if subtype is not _NDARRAY_TOKEN:
-        raise UnsafeGlobalError(f"refusing to reconstruct an array of type {subtype!r}")
-    return np.ndarray.__new__(np.ndarray, shape, dtype)  # new memory, never a buffer
-
-
-def _in_packages(module: str, packages: Iterable[str]) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in packages)
-
-
-def _is_numpy_data_class(obj: Any) -> bool:
-    if isinstance(obj, np.ufunc):  # np.add & co. (the reducers of segment trees)
-        return True
-    if not isinstance(obj, type) or not _in_packages(obj.__module__, _NUMPY_PACKAGES):
-        return False
-    data_types = (np.generic, np.dtype, np.random.BitGenerator, np.random.SeedSequence)
-    rng_types = (np.random.RandomState, np.random.Generator)
-    return issubclass(obj, data_types) or obj in rng_types
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """An Unpickler that resolves only globals naming data types (see :func:`loads`)."""
-
-    def __init__(self, file: Any, *, buffers: Any, source: str) -> None:
-        super().__init__(file, buffers=buffers)
-        self._source = source
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "builtins" and name in _SAFE_BUILTINS:
-            return super().find_class(module, name)
-        if (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if (module, name) == ("numpy", "ndarray"):
-            return _NDARRAY_TOKEN
-        if name == "_reconstruct" and module in ("numpy._core.multiarray", "numpy.core.multiarray"):
-            return _safe_reconstruct
-        # Import only inside the allowed packages, then check what the name really is (a
-        # module may re-export a function or a foreign class under an innocent name).
-        if _in_packages(module, _NUMPY_PACKAGES):
-            obj = super().find_class(module, name)
-            if _is_numpy_data_class(obj):
-                return obj
-        elif module == "jax.numpy":  # scalar types such as jnp.float32, used as dtypes
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) and isinstance(getattr(obj, "dtype", None), np.dtype):
-                return obj
-        elif _in_packages(module, _SAFE_CLASS_PACKAGES):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) and _in_packages(obj.__module__, _SAFE_CLASS_PACKAGES):
-                return obj
-        raise UnsafeGlobalError(
-            f"refusing to load global '{module}.{name}' from {self._source}: safe=True allows "
-            "only data (numpy/jax arrays and dtypes, numbers, strings, bytes, containers and "
-            "classes of haiku, optax and coax_utils); load with safe=False only if you trust "
-            "the source"
-        )
-
-
-def _unpickle(stream: Any, buffers: list[Any], safe: bool, source: str) -> Any:
-    file = io.BytesIO(stream)
-    if safe:
-        return _SafeUnpickler(file, buffers=buffers, source=source).load()
-    return pickle.Unpickler(file, buffers=buffers).load()
-
-
-def _loads_from(data: Any, safe: bool, source: str) -> Any:
-    legacy = bytes(data.read(0, min(4, data.size))) == _LZ4_FRAME_MAGIC
-    try:
-        if legacy:
-            stream, buffers = _legacy_stream(data), []
-        else:
-            stream, buffers = _decode(data)
-    except _Corrupt as e:
-        raise ValueError(f"{source} is not a valid coax_utils checkpoint: {e}") from None
-    except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
-        # malformed metadata or index (only reachable for data that merely looks like ours)
-        raise ValueError(f"{source} is not a valid coax_utils checkpoint: {e!r}") from None
-    if not legacy:
-        return _unpickle(stream, buffers, safe, source)
-    try:
-        return _unpickle(stream, buffers, safe, source)
-    except UnsafeGlobalError:
+        if is_legacy_frame(data):
+            if safe:
+                raise _unsafe(source, "a legacy coax pickle (lz4 frame)")
+            return _unpickle(decompress_legacy_frame(data))
+        container = parse(data, FORMAT_VERSION)
+        if container.version == 1:
+            if safe:
+                raise _unsafe(source, "a pickle (format version 1)")
+            n = len(container.segments)
+            segments = read_segments(data, container, list(range(n)))
+            return _unpickle(segments[0], [segments[i] for i in range(1, n)])
+        return _load_v2(data, container, safe, source)
+    except UnsafeCheckpointError:
         raise
-    except (pickle.UnpicklingError, EOFError) as e:  # legacy files carry no checksum
-        raise ValueError(
-            f"{source} is not a valid coax_utils checkpoint: the legacy coax pickle is "
-            f"damaged ({e})"
-        ) from None
+    except (
+        Corrupt,
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        OverflowError,
+        RecursionError,
+        AttributeError,
+    ) as e:
+        raise ValueError(f"{source} is not a valid coax_utils checkpoint: {e}") from None
 
-
-# -- public API ----------------------------------------------------------------------------
 
 _REFERENCES_WARNING = """
     .. warning::
@@ -822,13 +219,7 @@ def _with_warning(**names: str) -> Callable[[Callable[..., Any]], Callable[..., 
     return decorate
 
 
-def _as_path(filepath: Any) -> str | bytes:
-    if not isinstance(filepath, (str, bytes, os.PathLike)):
-        raise TypeError(f"filepath must be a str or os.PathLike, got {type(filepath).__name__}")
-    return os.fspath(filepath)
-
-
-@_with_warning(
+_STRINGS = dict(
     dump_both="s = dumps((a, b))",
     load_both="loads(s)",
     dump_a="s_a = dumps(a)",
@@ -836,22 +227,35 @@ def _as_path(filepath: Any) -> str | bytes:
     load_a="loads(s_a)",
     load_b="loads(s_b)",
 )
-def dumps(obj: Any) -> bytes:
-    """Serialize an object to an lz4-compressed pickle byte-string.
+_FILES = dict(
+    dump_both="dump((a, b), 'ab.pkl.lz4')",
+    load_both="load('ab.pkl.lz4')",
+    dump_a="dump(a, 'a.pkl.lz4')",
+    dump_b="dump(b, 'b.pkl.lz4')",
+    load_a="load('a.pkl.lz4')",
+    load_b="load('b.pkl.lz4')",
+)
 
-    The object is pickled with cloudpickle (protocol 5). The memory of numpy and jax arrays is
-    passed out of band (no copy into the pickle stream) and compressed in chunks with lz4 on a
-    few threads. The result starts with a versioned header and carries CRC-32 checksums of
-    all its parts. jax arrays are copied to host memory and come back as jax arrays on the
-    default device; numpy arrays come back as writable numpy arrays; dtypes (``bfloat16``,
-    ``bool``, object arrays, ...) and shapes survive. See :doc:`/checkpoints` for the format.
+
+@_with_warning(**_STRINGS)
+def dumps(obj: Any) -> bytes:
+    """Serialize an object to an lz4-compressed byte-string.
+
+    Plain data (containers, numbers, strings, bytes, numpy and jax arrays of non-object
+    dtypes, PRNG keys, numpy random generators, optax/haiku/coax_utils states and coax_utils
+    stateful objects such as replay buffers) is stored as a data tree that
+    ``loads(..., safe=True)`` reads without unpickling; anything else (functions, jitted
+    functions, classes of other packages) goes to a pickle section (cloudpickle). Array
+    memory is compressed in chunks with lz4 on a few threads, and every part is covered by a
+    CRC-32. jax arrays come back as jax arrays on the default device (with their weak
+    type); numpy arrays as writable numpy arrays. See :doc:`/checkpoints` for the format.
 
     {references}
 
     Parameters
     ----------
     obj : object
-        Any picklable Python object (with cloudpickle: lambdas and jitted functions too).
+        Plain data, or any object cloudpickle can pickle.
 
     Returns
     -------
@@ -861,63 +265,47 @@ def dumps(obj: Any) -> bytes:
     Raises
     ------
     pickle.PicklingError, TypeError, AttributeError
-        When ``obj`` (or something it refers to) cannot be pickled.
+        When a part of ``obj`` that is not plain data cannot be pickled.
 
     Examples
     --------
     >>> import numpy as np
     >>> from coax_utils.utils import dumps, loads
     >>> state = {'step': 3, 'w': np.arange(6, dtype=np.float32).reshape(2, 3)}
-    >>> restored = loads(dumps(state))
+    >>> restored = loads(dumps(state), safe=True)
     >>> restored['step'], restored['w'].dtype, restored['w'].shape
     (3, dtype('float32'), (2, 3))
     """
-    stream, buffers = _pickle(obj)
-    capacity = _capacity(stream, buffers)
-    api = _bytes_api() if capacity >= _DIRECT_JOIN_MIN else None
-    if api is None:
-        return _dumps_pieces(stream, buffers)
-    builder = _BytesBuilder(api, capacity)
-    try:
-        size = _encode(stream, buffers, builder.write)
-        return builder.finish(size)
-    finally:
-        builder.close()
+    segments = _segments(obj)
+    parts: list[Any] = []
+    _write(segments, parts.append)
+    return b"".join(parts)
 
 
-@_with_warning(
-    dump_both="s = dumps((a, b))",
-    load_both="loads(s)",
-    dump_a="s_a = dumps(a)",
-    dump_b="s_b = dumps(b)",
-    load_a="loads(s_a)",
-    load_b="loads(s_b)",
-)
+@_with_warning(**_STRINGS)
 def loads(s: bytes | bytearray | memoryview, safe: bool = False) -> Any:
     """Load an object from a byte-string that was created by :func:`dumps`.
 
-    Byte-strings made by coax (``lz4.frame.compress(cloudpickle.dumps(obj))``) are read too.
+    Byte-strings of format version 1 and of coax (``lz4.frame.compress(cloudpickle.dumps(
+    obj))``) are read too, with ``safe=False``.
 
     .. danger::
 
-        With the default ``safe=False`` the data is unpickled, which can run arbitrary code:
-        only load data from a source you trust. For anything else use ``safe=True``.
+        With the default ``safe=False`` the pickle section (if any) is unpickled, which can
+        run arbitrary code: only load data from a source you trust. For anything else use
+        ``safe=True``.
 
     {references}
 
     Parameters
     ----------
     s : bytes, bytearray or memoryview
-        An lz4-compressed pickle byte-string.
+        A checkpoint byte-string.
     safe : bool, optional
-        Refuse every global that is not plain data, so that no code from ``s`` ever runs.
-        Allowed are numpy and jax arrays, numpy dtypes, scalars (``ml_dtypes`` ones too) and
-        ufuncs (``np.add``, ...), numpy random generators, ``jax.numpy`` scalar types
-        (``jnp.float32``, ...), numbers, strings, bytes, lists,
-        tuples, dicts, sets, ``collections`` containers (``OrderedDict``, ``defaultdict``,
-        ``deque``, ``Counter``) and classes defined in haiku, optax and coax_utils (their
-        namedtuple and dataclass states, replay buffers, segment trees, ...). Functions,
-        lambdas, jitted functions and classes from anywhere else are refused.
+        Never unpickle: read the data tree only, rebuilding registered types through their
+        checked constructors, and refuse data that has a pickle section (and files of
+        format version 1 or of coax, which are pickles) with
+        :class:`UnsafeCheckpointError`.
 
     Returns
     -------
@@ -926,12 +314,12 @@ def loads(s: bytes | bytearray | memoryview, safe: bool = False) -> Any:
 
     Raises
     ------
+    UnsafeCheckpointError
+        With ``safe=True``, if the data needs unpickling; the message names the first object
+        that is not plain data. It is a ValueError.
     ValueError
-        If ``s`` is not a valid coax_utils checkpoint: foreign data, truncated, or corrupted
-        (checksum mismatch). The message says so; nothing is unpickled in that case.
-    pickle.UnpicklingError
-        With ``safe=True``, if ``s`` refers to a global that is not allowed; the message names
-        the refused global (for instance ``'posix.system'``).
+        If ``s`` is not a valid checkpoint: foreign, truncated, corrupted (checksum
+        mismatch), or lying about any size, count or invariant.
 
     Examples
     --------
@@ -941,249 +329,28 @@ def loads(s: bytes | bytearray | memoryview, safe: bool = False) -> Any:
     """
     if isinstance(s, str) or not isinstance(s, (bytes, bytearray, memoryview)):
         raise TypeError(f"s must be bytes, bytearray or memoryview, got {type(s).__name__}")
-    return _loads_from(_MemorySource(memoryview(s).cast("B")), bool(safe), "the given data")
+    return _load_from(MemorySource(memoryview(s).cast("B")), bool(safe), "the given data")
 
 
-_OPEN_FLAGS = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
-
-
-def _temp_basename() -> str:
-    return f".coax_utils-{os.getpid()}-{secrets.token_hex(6)}.tmp"
-
-
-# Direct I/O (Linux O_DIRECT): file writes that bypass the page cache, in blocks of
-# DIRECT_BLOCK bytes from memory aligned to _ALIGN bytes. USE_O_DIRECT switches it off.
-USE_O_DIRECT = True
-DIRECT_BLOCK = 8 << 20
-_ALIGN = 4096
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-def _set_direct(fd: int, on: bool) -> bool:
-    """Switch O_DIRECT on or off for ``fd``; return whether it is on afterwards."""
-    import fcntl
-
-    try:
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | _O_DIRECT) if on else (flags & ~_O_DIRECT))
-        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT)
-    except OSError:  # EINVAL: the file system offers no direct I/O (tmpfs, some FUSE)
-        return False
-
-
-def _aligned_buffer(n: int) -> np.ndarray:
-    raw = np.empty(n + _ALIGN, np.uint8)
-    skip = -_address(raw) % _ALIGN
-    return raw[skip : skip + n]
-
-
-class _DirectWriter:
-    """The ``write(offset, piece)`` of :func:`_encode` for a file opened with O_DIRECT.
-
-    Pieces are copied into aligned staging blocks of ``DIRECT_BLOCK`` bytes; a block that is
-    complete (the pieces tile the file, so: once as many bytes as it holds have arrived) goes
-    to a writer thread that writes it with ``os.pwrite``, while the worker threads go on
-    compressing. :meth:`finish` writes the last block padded to the alignment and truncates
-    the file to its size. Should a direct write fail with EINVAL (an alignment the file
-    system does not accept), O_DIRECT is switched off and the write repeated through the
-    page cache.
-    """
-
-    def __init__(self, fd: int, capacity: int) -> None:
-        import ctypes
-
-        self._fd, self._memmove = fd, ctypes.memmove
-        self.block = min(DIRECT_BLOCK, -(-capacity // _ALIGN) * _ALIGN)
-        self._lock = threading.Lock()
-        self._open: dict[int, list[Any]] = {}  # block index -> [buffer, bytes filled]
-        self._free: list[np.ndarray] = []
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=4)  # bounds the memory in flight
-        self._error: BaseException | None = None
-        self._direct = True
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            index, buf, n = job
-            if self._error is None:
-                try:
-                    self._pwrite(buf[:n], index * self.block)
-                except BaseException as e:  # reported by finish(); keep draining the queue
-                    self._error = e
-            self._free.append(buf)
-
-    def _pwrite(self, data: np.ndarray, offset: int) -> None:
-        done = 0
-        while done < data.size:
-            try:
-                done += os.pwrite(self._fd, data[done:], offset + done)
-            except OSError as e:
-                if e.errno != errno.EINVAL or not self._direct:
-                    raise
-                self._direct = _set_direct(self._fd, False)
-                if self._direct:
-                    raise
-
-    def write(self, offset: int, piece: Any) -> None:
-        src = np.frombuffer(piece, np.uint8)
-        pos = 0
-        while pos < src.size:
-            index, within = divmod(offset + pos, self.block)
-            n = min(self.block - within, src.size - pos)
-            with self._lock:
-                entry = self._open.get(index)
-                if entry is None:
-                    buf = self._free.pop() if self._free else _aligned_buffer(self.block)
-                    entry = self._open[index] = [buf, 0]
-            self._memmove(_address(entry[0]) + within, _address(src) + pos, n)
-            with self._lock:
-                entry[1] += n
-                full = entry[1] == self.block
-                if full:
-                    del self._open[index]
-            if full:
-                self._queue.put((index, entry[0], self.block))
-            pos += n
-
-    def finish(self, size: int) -> None:
-        """Write the last block, wait for the writes and truncate the file to ``size``."""
-        last, n = divmod(size, self.block)
-        if set(self._open) != ({last} if n else set()) or (n and self._open[last][1] != n):
-            raise RuntimeError("checkpoint pieces do not tile the file")  # a bug
-        if n:
-            buf = self._open.pop(last)[0]
-            padded = -(-n // _ALIGN) * _ALIGN
-            buf[n:padded] = 0
-            self._queue.put((last, buf, padded))
-        self.close()
-        if self._error is not None:
-            raise self._error
-        os.ftruncate(self._fd, size)
-
-    def close(self) -> None:
-        """Stop the writer thread (after the blocks already handed to it)."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
-
-def _write_fd(fd: int, stream: memoryview, buffers: list[memoryview]) -> None:
-    if USE_O_DIRECT and _O_DIRECT and _set_direct(fd, True):
-        writer = _DirectWriter(fd, _capacity(stream, buffers))
-        try:
-            writer.finish(_encode(stream, buffers, writer.write))
-        finally:
-            writer.close()
-        os.fsync(fd)
-        return
-    _write_buffered(fd, stream, buffers)
-
-
-def _write_buffered(fd: int, stream: memoryview, buffers: list[memoryview]) -> None:
-    # Pieces are written at their offsets (os.pwrite, from the worker threads) as soon as
-    # they are ready. Where the OS allows, each written piece is handed to write-back at once
-    # (POSIX_FADV_DONTNEED starts it for dirty pages, without waiting), so the disk writes
-    # overlap the compression of the next chunks and the final fsync has little left to do.
-    advise = getattr(os, "posix_fadvise", None)
-    pwrite = getattr(os, "pwrite", None)
-    lock = threading.Lock()
-
-    def write(offset: int, piece: Any) -> None:
-        nonlocal advise
-        view = memoryview(piece).cast("B")
-        done = 0
-        while done < view.nbytes:
-            if pwrite is not None:
-                done += pwrite(fd, view[done:], offset + done)
-            else:
-                with lock:  # one file position for all threads
-                    os.lseek(fd, offset + done, os.SEEK_SET)
-                    done += os.write(fd, view[done:])
-        if advise is not None and view.nbytes >= 1 << 20:
-            try:
-                advise(fd, offset, view.nbytes, os.POSIX_FADV_DONTNEED)
-            except OSError:  # a hint only
-                advise = None
-
-    _encode(stream, buffers, write)
-    os.fsync(fd)
-
-
-def _write_unnamed(dirname: str, stream: memoryview, buffers: list[memoryview]) -> str | None:
-    """Write into an unnamed file (O_TMPFILE), then link it under a temporary name.
-
-    Until it is linked, the file has no name at all: it disappears with the process, even a
-    process killed with SIGKILL. Returns the temporary name, or None where the operating or
-    file system offers no O_TMPFILE (the caller then uses a named temporary file).
-    """
-    if not hasattr(os, "O_TMPFILE") or not os.path.isdir("/proc/self/fd"):
-        return None
-    try:
-        fd = os.open(dirname, _OPEN_FLAGS | os.O_TMPFILE, 0o666)
-    except OSError:
-        return None
-    try:
-        _write_fd(fd, stream, buffers)
-        name = _temp_basename()
-        dir_fd = os.open(dirname, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            # dst_dir_fd makes Python call linkat(), which follows the /proc magic link
-            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
-        except OSError:
-            return None
-        finally:
-            os.close(dir_fd)
-        return os.path.join(dirname, name)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(dirname: str) -> None:
-    if os.name == "nt":
-        return
-    fd = os.open(dirname, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove(name: str | None) -> None:
-    if name is not None:
-        try:
-            os.unlink(name)
-        except FileNotFoundError:
-            pass
-
-
-@_with_warning(
-    dump_both="dump((a, b), 'ab.pkl.lz4')",
-    load_both="load('ab.pkl.lz4')",
-    dump_a="dump(a, 'a.pkl.lz4')",
-    dump_b="dump(b, 'b.pkl.lz4')",
-    load_a="load('a.pkl.lz4')",
-    load_b="load('b.pkl.lz4')",
-)
+@_with_warning(**_FILES)
 def dump(obj: Any, filepath: str | os.PathLike) -> None:
     """Save an object to disk.
 
     The file holds the same bytes :func:`dumps` returns. It is written atomically: the data
-    goes to a temporary file in the same folder (unnamed where the OS supports ``O_TMPFILE``,
-    so that not even a killed process leaves it behind), which is flushed, fsynced and
-    renamed over ``filepath``; the folder is fsynced too. A dump that fails or is killed
-    leaves the previous file at ``filepath`` intact. Missing parent folders are created.
-    Where the file system supports it (Linux ``O_DIRECT``), the file is written with direct
-    I/O, around the page cache, on a writer thread while the next chunks are compressed;
-    elsewhere through the page cache. See :doc:`/checkpoints`.
+    goes to a temporary file in the same folder, which is fsynced and renamed over
+    ``filepath``; the folder is fsynced too. A dump that fails leaves the previous file
+    intact and no temporary file; one that is killed leaves the previous file intact and a
+    temporary file that the next dump into that folder removes. The new file keeps the
+    permission bits of the file it replaces. Missing parent folders are created. See
+    :doc:`/checkpoints`.
 
     {references}
 
     Parameters
     ----------
     obj : object
-        Any picklable Python object.
-    filepath : str or os.PathLike
+        Plain data, or any object cloudpickle can pickle (see :func:`dumps`).
+    filepath : str, bytes or os.PathLike
         Where to store the object.
 
     Raises
@@ -1191,7 +358,7 @@ def dump(obj: Any, filepath: str | os.PathLike) -> None:
     TypeError
         If ``filepath`` is not a path.
     pickle.PicklingError, TypeError, AttributeError
-        When ``obj`` cannot be pickled (nothing is written).
+        When ``obj`` cannot be serialized (nothing is written).
     OSError
         When the file cannot be written (the previous file is kept).
 
@@ -1202,58 +369,35 @@ def dump(obj: Any, filepath: str | os.PathLike) -> None:
     >>> from coax_utils.utils import dump, load
     >>> path = os.path.join(tempfile.mkdtemp(), 'run', 'ckpt.pkl.lz4')
     >>> dump({'w': np.ones(3)}, path)
-    >>> load(path)['w']
+    >>> load(path, safe=True)['w']
     array([1., 1., 1.])
     """
-    path = _as_path(filepath)
-    stream, buffers = _pickle(obj)  # pickling errors surface before any file is touched
-    dirname = os.path.dirname(os.path.abspath(path))
-    os.makedirs(dirname, exist_ok=True)
-    tmp = None
-    try:
-        tmp = _write_unnamed(dirname, stream, buffers)
-        if tmp is None:
-            name = os.path.join(dirname, _temp_basename())
-            fd = os.open(name, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o666)
-            tmp = name
-            try:
-                _write_fd(fd, stream, buffers)
-            finally:
-                os.close(fd)
-        os.replace(tmp, path)
-        tmp = None
-    finally:
-        _remove(tmp)
-    _fsync_dir(dirname)
+    path = as_path(filepath)
+    segments = _segments(obj)  # serialization errors surface before any file is touched
+    atomic_write(path, lambda write: _write(segments, write))
 
 
-@_with_warning(
-    dump_both="dump((a, b), 'ab.pkl.lz4')",
-    load_both="load('ab.pkl.lz4')",
-    dump_a="dump(a, 'a.pkl.lz4')",
-    dump_b="dump(b, 'b.pkl.lz4')",
-    load_a="load('a.pkl.lz4')",
-    load_b="load('b.pkl.lz4')",
-)
+@_with_warning(**_FILES)
 def load(filepath: str | os.PathLike, safe: bool = False) -> Any:
     """Load an object from a file that was created by :func:`dump`.
 
-    Files written by coax (an lz4 frame of a cloudpickle) are read too.
+    Files of format version 1 and of coax (an lz4 frame of a cloudpickle) are read too, with
+    ``safe=False``.
 
     .. danger::
 
-        With the default ``safe=False`` the file is unpickled, which can run arbitrary code:
-        only load files you trust. For files from anywhere else use ``safe=True``.
+        With the default ``safe=False`` the pickle section (if any) is unpickled, which can
+        run arbitrary code: only load files you trust. For files from anywhere else use
+        ``safe=True``.
 
     {references}
 
     Parameters
     ----------
-    filepath : str or os.PathLike
+    filepath : str, bytes or os.PathLike
         File to load.
     safe : bool, optional
-        Refuse every global that is not plain data, so that no code from the file ever runs
-        (see :func:`loads` for what is allowed).
+        Never unpickle (see :func:`loads`).
 
     Returns
     -------
@@ -1262,14 +406,13 @@ def load(filepath: str | os.PathLike, safe: bool = False) -> Any:
 
     Raises
     ------
+    UnsafeCheckpointError
+        With ``safe=True``, if the file needs unpickling (see :func:`loads`).
     ValueError
-        If the file is not a valid coax_utils checkpoint: foreign, truncated or corrupted
-        (checksum mismatch). The message names the file; nothing is unpickled in that case.
-    pickle.UnpicklingError
-        With ``safe=True``, if the file refers to a global that is not allowed; the message
-        names the refused global and the file.
+        If the file is not a valid checkpoint (the message names the file), or is not a
+        regular file (a FIFO, a folder or a device is refused at once).
     OSError
-        If the file cannot be read.
+        If the file cannot be read (FileNotFoundError if it does not exist).
 
     Examples
     --------
@@ -1280,11 +423,6 @@ def load(filepath: str | os.PathLike, safe: bool = False) -> Any:
     >>> load(path, safe=True)
     {'episode': 7, 'name': 'cartpole'}
     """
-    path = _as_path(filepath)
-    source = f"file {os.fsdecode(path)!r}"
-    with open(path, "rb", buffering=0) as f:
-        if hasattr(os, "preadv"):
-            data: Any = _FileSource(f.fileno(), os.fstat(f.fileno()).st_size)
-        else:
-            data = _MemorySource(memoryview(f.read()))
-        return _loads_from(data, bool(safe), source)
+    path = as_path(filepath)
+    with open_regular_file(path) as (fd, size):
+        return _load_from(FileSource(fd, size), bool(safe), f"file {path!r}")

@@ -1,0 +1,386 @@
+"""The chunked, checksummed container that holds a checkpoint's byte segments.
+
+Layout (all integers little-endian)::
+
+    header   MAGIC (8 bytes) | version u32 | meta_len u32 | meta (JSON) | crc32 u32
+    body     the stored chunks, one after the other
+    index    JSON: for every segment its size and, per chunk, [stored_len, crc32, codec]
+    footer   index_offset u64 | index_len u64 | index_crc u32 | footer_crc u32 | END_MAGIC
+
+A segment is a sequence of bytes (what it means is up to the caller). Every segment is cut
+into chunks of ``chunk_size`` bytes, each compressed on its own with ``lz4.block`` (or
+stored as is when lz4 does not make it smaller), so that threads work on chunks in parallel.
+Every byte of the file is covered by a CRC-32. Nothing read is trusted: every size is checked
+against the file's length and lz4's largest expansion before memory is allocated for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import lz4.block
+import lz4.frame
+import numpy as np
+
+__all__ = [
+    "CHUNK_SIZE",
+    "Corrupt",
+    "FileSource",
+    "MemorySource",
+    "decompress_legacy_frame",
+    "is_legacy_frame",
+    "parse",
+    "read_segments",
+    "write_container",
+]
+
+MAGIC = b"\x89COAXCK\n"
+END_MAGIC = b"\nKCXAOC\x89"
+# Bytes of raw data per compressed chunk. Each chunk starts without an lz4 history, which
+# costs about 1 KB of output on compressible data: at 16 MiB that is less than what the block
+# headers of an lz4 frame cost, and still many chunks for the threads.
+CHUNK_SIZE = 16 << 20
+MAX_THREADS = 4
+# lz4 expands a stored byte into at most 255 output bytes (plus a few bytes per block).
+_LZ4_MAX_RATIO = 255
+_LZ4_FRAME_MAGIC = b"\x04\x22\x4d\x18"
+_HEADER = struct.Struct("<8sII")
+_CRC = struct.Struct("<I")
+_FOOTER = struct.Struct("<QQII8s")
+RAW, LZ4 = 0, 1
+
+
+class Corrupt(Exception):
+    """The data fails a structural or checksum test (the caller names the file)."""
+
+
+# -- threads ---------------------------------------------------------------------------------
+
+
+def num_threads() -> int:
+    """How many threads compress or decompress (the CPUs this process may use, at most 4)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, n))
+
+
+def map_ordered(fn: Callable[[Any], Any], items: Iterable[Any], threaded: bool) -> Iterator[Any]:
+    """``map(fn, items)`` on a few threads (lz4 and crc32 release the GIL), results in order.
+
+    At most twice as many items as threads are in flight, so memory stays bounded however
+    long ``items`` is.
+    """
+    workers = num_threads() if threaded else 1
+    if workers < 2:
+        yield from map(fn, items)
+        return
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="checkpoint")
+    try:
+        it = iter(items)
+        pending = collections.deque(pool.submit(fn, x) for _, x in zip(range(2 * workers), it))
+        for x in it:
+            yield pending.popleft().result()
+            pending.append(pool.submit(fn, x))
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+def _chunks(pieces: list[memoryview], chunk_size: int) -> Iterator[memoryview]:
+    """Cut a segment (a list of byte pieces) into chunks; copies only across piece borders."""
+    partial = bytearray()
+    for piece in pieces:
+        pos, n = 0, piece.nbytes
+        if partial:
+            take = min(n, chunk_size - len(partial))
+            partial += piece[:take]
+            pos = take
+            if len(partial) < chunk_size:
+                continue
+            yield memoryview(partial)
+            partial = bytearray()
+        while n - pos >= chunk_size:
+            yield piece[pos : pos + chunk_size]
+            pos += chunk_size
+        if pos < n:
+            partial += piece[pos:]
+    if partial:
+        yield memoryview(partial)
+
+
+def _compress(chunk: memoryview) -> tuple[Any, int, int]:
+    packed = lz4.block.compress(chunk, store_size=False)
+    if len(packed) < chunk.nbytes:
+        return packed, zlib.crc32(packed), LZ4
+    return chunk, zlib.crc32(chunk), RAW
+
+
+def write_container(
+    version: int,
+    meta: dict,
+    segments: list[list[memoryview]],
+    write: Callable[[Any], None],
+    chunk_size: int = CHUNK_SIZE,
+) -> None:
+    """Write a container: ``write`` is called with each piece of the output, in order.
+
+    ``segments`` holds, per segment, the byte pieces (flat ``uint8`` memoryviews) it is
+    made of.
+    """
+    meta = dict(meta, codec="lz4.block", checksum="crc32", chunk_size=chunk_size)
+    meta_bytes = json.dumps(meta, sort_keys=True).encode()
+    head = _HEADER.pack(MAGIC, version, len(meta_bytes)) + meta_bytes
+    write(head + _CRC.pack(zlib.crc32(head)))
+    offset = len(head) + _CRC.size
+    sizes = [sum(p.nbytes for p in pieces) for pieces in segments]
+    jobs = (c for pieces in segments for c in _chunks(pieces, chunk_size))
+    entries: list[list[int]] = []
+    for data, crc, codec in map_ordered(_compress, jobs, sum(sizes) >= 2 * chunk_size):
+        write(data)
+        n = len(data) if isinstance(data, bytes) else data.nbytes
+        entries.append([n, crc, codec])
+        offset += n
+    index_segments, k = [], 0
+    for n in sizes:
+        count = -(-n // chunk_size)
+        index_segments.append([n, entries[k : k + count]])
+        k += count
+    index = json.dumps({"segments": index_segments}, separators=(",", ":")).encode()
+    fields = struct.pack("<QQI", offset, len(index), zlib.crc32(index))
+    write(index + _FOOTER.pack(offset, len(index), zlib.crc32(index), zlib.crc32(fields), END_MAGIC))
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+class MemorySource:
+    """Container bytes in memory; ``read`` returns zero-copy views."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.size = view, len(view)
+
+    def read(self, offset: int, n: int) -> memoryview:
+        return self.view[offset : offset + n]
+
+    def read_into(self, offset: int, dest: np.ndarray) -> None:
+        dest[...] = np.frombuffer(self.view, np.uint8, dest.size, offset)
+
+
+class FileSource:
+    """An open container file, read with ``os.preadv``.
+
+    Chunks are read where they are needed, by the thread that decompresses them, into a
+    buffer that thread reuses: the compressed file is never held in memory as a whole. The
+    view ``read`` returns is valid until the same thread reads again.
+    """
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+        self._local = threading.local()
+
+    def read(self, offset: int, n: int) -> memoryview:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._local.buf = bytearray(n)
+        view = memoryview(buf)[:n]
+        self._read_exact(offset, view)
+        return view
+
+    def read_into(self, offset: int, dest: np.ndarray) -> None:
+        self._read_exact(offset, memoryview(dest))
+
+    def _read_exact(self, offset: int, view: memoryview) -> None:
+        got, n = 0, view.nbytes
+        while got < n:
+            k = os.preadv(self.fd, [view[got:]], offset + got)
+            if k <= 0:
+                raise Corrupt("file is shorter than its index says (truncated?)")
+            got += k
+
+
+class Container:
+    """What :func:`parse` found: version, meta, chunk size and where every chunk lies."""
+
+    def __init__(self, version: int, meta: dict, chunk_size: int, segments: list) -> None:
+        self.version, self.meta, self.chunk_size, self.segments = (
+            version,
+            meta,
+            chunk_size,
+            segments,
+        )
+
+    def segment_size(self, i: int) -> int:
+        return self.segments[i][0]
+
+
+def _int(x: Any, what: str, lo: int = 0, hi: int = 1 << 63) -> int:
+    if type(x) is not int or not lo <= x < hi:
+        raise Corrupt(f"{what} is {x!r}, not an integer in [{lo}, {hi})")
+    return x
+
+
+def _json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise Corrupt(f"{what} is not valid JSON ({e})") from None
+
+
+def parse(source: Any, max_version: int) -> Container:
+    """Check header, footer and index; return where every chunk lies."""
+    size = source.size
+    if size < _HEADER.size + _CRC.size + _FOOTER.size:
+        raise Corrupt(f"only {size} bytes, too short for a checkpoint (truncated?)")
+    magic, version, meta_len = _HEADER.unpack(bytes(source.read(0, _HEADER.size)))
+    if magic != MAGIC:
+        raise Corrupt("unrecognised header (neither coax_utils nor legacy coax lz4 data)")
+    if not 1 <= version <= max_version:
+        raise Corrupt(
+            f"format version {version} is not supported (this coax_utils reads versions 1 to "
+            f"{max_version}; upgrade coax_utils)"
+        )
+    body_start = _HEADER.size + meta_len + _CRC.size
+    if body_start + _FOOTER.size > size:
+        raise Corrupt("header larger than the data (truncated?)")
+    header = bytes(source.read(0, body_start))
+    if zlib.crc32(header[: -_CRC.size]) != _CRC.unpack(header[-_CRC.size :])[0]:
+        raise Corrupt("header checksum mismatch")
+    meta = _json(header[_HEADER.size : _HEADER.size + meta_len], "header metadata")
+    if not isinstance(meta, dict):
+        raise Corrupt("header metadata is not a JSON object")
+    if meta.get("codec") != "lz4.block" or meta.get("checksum") != "crc32":
+        raise Corrupt(f"unsupported codec/checksum {meta.get('codec')}/{meta.get('checksum')}")
+    chunk_size = _int(meta.get("chunk_size"), "chunk size", 1, 1 << 31)
+    footer_at = size - _FOOTER.size
+    footer = bytes(source.read(footer_at, _FOOTER.size))
+    index_offset, index_len, index_crc, footer_crc, end = _FOOTER.unpack(footer)
+    fields = struct.pack("<QQI", index_offset, index_len, index_crc)
+    if end != END_MAGIC or zlib.crc32(fields) != footer_crc:
+        raise Corrupt("footer missing or damaged (truncated or corrupted data)")
+    if index_offset < body_start or index_offset + index_len != footer_at:
+        raise Corrupt("index position inconsistent with the data length (truncated?)")
+    index = bytes(source.read(index_offset, index_len))
+    if zlib.crc32(index) != index_crc:
+        raise Corrupt("index checksum mismatch")
+    index = _json(index, "index")
+    raw_segments = index.get("segments") if isinstance(index, dict) else None
+    if not isinstance(raw_segments, list) or not raw_segments:
+        raise Corrupt("index holds no segment list")
+    segments, pos = [], body_start
+    for seg in raw_segments:
+        if not isinstance(seg, list) or len(seg) != 2 or not isinstance(seg[1], list):
+            raise Corrupt("index segment entry is malformed")
+        n = _int(seg[0], "segment size")
+        if len(seg[1]) != -(-n // chunk_size):
+            raise Corrupt("index chunk count inconsistent with segment size")
+        chunks = []
+        for i, entry in enumerate(seg[1]):
+            if not isinstance(entry, list) or len(entry) != 3:
+                raise Corrupt("index chunk entry is malformed")
+            k = _int(entry[0], "stored chunk size", 0, size)
+            crc = _int(entry[1], "chunk checksum", 0, 1 << 32)
+            codec = _int(entry[2], "chunk codec", 0, 2)
+            m = min(chunk_size, n - i * chunk_size)
+            if (codec == RAW and k != m) or (codec == LZ4 and m > _LZ4_MAX_RATIO * k + 64):
+                raise Corrupt("index claims more data than the stored chunks can hold")
+            chunks.append((pos, k, crc, codec, m))
+            pos += k
+        segments.append((n, chunks))
+    if pos != index_offset:
+        raise Corrupt("index inconsistent with the body length")
+    return Container(version, meta, chunk_size, segments)
+
+
+def _read_chunk(source: Any, job: tuple) -> None:
+    (offset, k, crc, codec, m), dest = job
+    if codec == RAW:
+        source.read_into(offset, dest)
+        if zlib.crc32(dest) != crc:
+            raise Corrupt("chunk checksum mismatch (bit flip or damaged data)")
+        return
+    src = source.read(offset, k)
+    if zlib.crc32(src) != crc:
+        raise Corrupt("chunk checksum mismatch (bit flip or damaged data)")
+    try:
+        out = lz4.block.decompress(src, uncompressed_size=m, return_bytearray=True)
+    except lz4.block.LZ4BlockError as e:
+        raise Corrupt(f"chunk does not decompress ({e})") from None
+    if len(out) != m:
+        raise Corrupt("chunk decompresses to the wrong size")
+    if dest is None:
+        return out
+    dest[...] = np.frombuffer(out, np.uint8)
+    return None
+
+
+def read_segments(source: Any, container: Container, which: list[int]) -> dict[int, np.ndarray]:
+    """Decompress the segments ``which`` into new writable ``uint8`` arrays, on threads.
+
+    A segment of one lz4 chunk becomes the decompressed buffer itself (no copy).
+    """
+    out: dict[int, np.ndarray] = {}
+    jobs: list[tuple] = []
+    whole: list[int] = []
+    total = 0
+    for i in which:
+        n, chunks = container.segments[i]
+        total += n
+        if len(chunks) == 1 and chunks[0][3] == LZ4:
+            whole.append(i)
+            jobs.append((chunks[0], None))
+            continue
+        dest = out[i] = np.empty(n, np.uint8)
+        size = container.chunk_size
+        jobs.extend((c, dest[j * size : j * size + c[4]]) for j, c in enumerate(chunks))
+    results = map_ordered(lambda job: _read_chunk(source, job), jobs, total >= 2 << 20)
+    k = 0
+    for job, result in zip(jobs, results):
+        if job[1] is None:
+            out[whole[k]] = np.frombuffer(result, np.uint8)
+            k += 1
+    return out
+
+
+# -- legacy coax files ----------------------------------------------------------------------
+
+
+def is_legacy_frame(source: Any) -> bool:
+    """Whether the data starts like an lz4 frame (coax's format)."""
+    return bytes(source.read(0, min(4, source.size))) == _LZ4_FRAME_MAGIC
+
+
+def decompress_legacy_frame(source: Any) -> bytes:
+    """Decompress coax's ``lz4.frame.compress(...)``, growing at most as lz4 can expand it."""
+    data = source.read(0, source.size)
+    limit = _LZ4_MAX_RATIO * source.size + (1 << 16)
+    decompressor = lz4.frame.LZ4FrameDecompressor()
+    parts, total = [], 0
+    try:
+        part = decompressor.decompress(data, max_length=CHUNK_SIZE)
+        while True:
+            parts.append(part)
+            total += len(part)
+            if total > limit:
+                raise Corrupt("legacy lz4 frame expands more than lz4 can")
+            if decompressor.eof or decompressor.needs_input:
+                break
+            part = decompressor.decompress(b"", max_length=CHUNK_SIZE)
+    except RuntimeError as e:
+        raise Corrupt(f"legacy coax lz4 frame does not decompress: {e}") from None
+    if not decompressor.eof:
+        raise Corrupt("legacy coax lz4 frame is truncated")
+    return b"".join(parts)
