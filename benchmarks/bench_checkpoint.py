@@ -7,14 +7,17 @@ Variants, timed round robin (A B C A B C ...) after a warm-up:
 - ``coax``: coax's own ``dumps``/``loads`` (``lz4.frame.compress(cloudpickle.dumps(obj))``)
   and ``dump``/``load`` (an ``lz4.frame`` file of the same pickle), loaded from coax's source
   file.
-- ``coax_utils``: this package (out-of-band array buffers, chunked lz4 on threads, CRC-32;
-  ``dump`` writes a temp file, with O_DIRECT where the file system allows it, fsyncs it and
-  renames it, which coax does not do).
+- ``coax_utils``: this package (a data tree: JSON structure plus array buffers compressed in
+  chunks with lz4 on threads, CRC-32; ``dump`` writes a temp file, fsyncs it and renames it,
+  which coax does not do).
+- ``coax + fsync``: coax's ``dump`` followed by an ``os.fsync`` of the file (like with like).
+- ``write + fsync``: a bare write of coax_utils's bytes and an fsync: the disk's limit.
 - ``zstd-1 (2 threads)``: coax's expression with zstandard level 1 on 2 threads instead of
   lz4, to weigh a codec switch.
 
 Run ``python benchmarks/bench_checkpoint.py`` (about 250 MB; a minute or two) or
-``--quick`` (about 25 MB; a few seconds).
+``--quick`` (about 25 MB; a few seconds). ``--memory GB`` measures instead the peak memory
+of ``dump`` and ``load`` of a replay-like dict of ``GB`` gigabytes, each in a fresh process.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import optax
 import zstandard
 
 from coax_utils import utils
-from coax_utils.utils import _checkpoint
 
 
 def load_coax_misc() -> types.ModuleType:
@@ -128,28 +130,81 @@ def zstd_load(path):
         return zstd_loads(f.read())
 
 
-def one_thread(fn):
-    """``fn`` run with coax_utils limited to one thread (what the threads add)."""
+def fsynced(dump):
+    """``dump`` followed by an fsync of the file it wrote."""
 
-    def wrapped(*args):
-        saved = _checkpoint.MAX_THREADS
-        _checkpoint.MAX_THREADS = 1
+    def wrapped(obj, path) -> None:
+        dump(obj, path)
+        fd = os.open(path, os.O_RDONLY)
         try:
-            return fn(*args)
+            os.fsync(fd)
         finally:
-            _checkpoint.MAX_THREADS = saved
+            os.close(fd)
 
     return wrapped
 
 
-def dump_without_fsync(obj, path) -> None:
-    """utils.dump with os.fsync stubbed out: shows what durability costs (coax never fsyncs)."""
-    real = os.fsync
-    os.fsync = lambda fd: None
-    try:
-        utils.dump(obj, path)
-    finally:
-        os.fsync = real
+def write_fsync(data: bytes):
+    """A bare write of ``data`` to a file and an fsync: what the disk allows."""
+
+    def write(obj, path) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view, done = memoryview(data), 0
+            while done < len(data):
+                done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    return write
+
+
+_MEMORY_CHILD = """
+import os, sys, time
+import numpy as np
+from coax_utils import utils
+gb, mode, path = float(sys.argv[1]), sys.argv[2], sys.argv[3]
+def hwm():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmHWM'):
+            return int(line.split()[1]) * 1024
+n = int(gb * 2**30) // (84 * 84 * 4)
+rng = np.random.default_rng(0)
+if mode == 'dump':
+    frames = np.zeros((n, 84, 84, 4), np.uint8)
+    for i in range(0, n, 4096):
+        frames[i : i + 4096, ::7, ::5] = rng.integers(0, 255, frames[i : i + 4096, ::7, ::5].shape)
+    obj = {'S': frames, 'Rn': rng.standard_normal(n).astype(np.float32)}
+    size = frames.nbytes + obj['Rn'].nbytes
+    base = hwm()
+    t = time.perf_counter(); utils.dump(obj, path); t = time.perf_counter() - t
+else:
+    base = hwm()
+    t = time.perf_counter(); obj = utils.load(path, safe=True); t = time.perf_counter() - t
+    size = obj['S'].nbytes + obj['Rn'].nbytes
+print(size, hwm() - base, t)
+"""
+
+
+def memory(gb: float, folder: str | None) -> None:
+    """Peak memory of dump and load of a ``gb`` GB replay-like dict, each in a new process."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory(dir=folder) as d:
+        path = os.path.join(d, "big.ckpt")
+        for mode in ("dump", "load"):
+            out = subprocess.run(
+                [sys.executable, "-c", _MEMORY_CHILD, str(gb), mode, path],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.split()
+            size, extra, seconds = int(out[0]), int(out[1]), float(out[2])
+            print(
+                f"{mode:<5} {size / 2**30:.2f} GiB: peak extra memory {extra / 2**20:.0f} MiB "
+                f"= {extra / size:.3f}x the object ({seconds:.1f} s)"
+            )
 
 
 def run(variants: dict, repeats: int, settle=None) -> dict:
@@ -207,7 +262,11 @@ def main() -> None:
     parser.add_argument(
         "--dir", default=None, help="folder for the on-disk runs (default: a temp dir)"
     )
+    parser.add_argument("--memory", type=float, default=None, metavar="GB")
     args = parser.parse_args()
+    if args.memory:
+        memory(args.memory, args.dir)
+        return
     scale = 0.1 if args.quick else 1.0
     repeats = args.repeats or (3 if args.quick else 7)
     coax = load_coax_misc()
@@ -217,7 +276,7 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"checkpoint: {size / 1e6:.0f} MB of arrays, {os.cpu_count()} CPUs, "
-        f"{_checkpoint._num_threads()} threads, repeats={repeats}, load average {load:.1f}"
+        f"repeats={repeats}, load average {load:.1f}"
     )
 
     blobs = {
@@ -226,7 +285,6 @@ def main() -> None:
         "zstd-1 (2 threads)": zstd_dumps(obj),
     }
     sizes = {k: len(v) for k, v in blobs.items()}
-    sizes["coax_utils 1 thread"] = sizes["coax_utils"]
     assert_same(coax.loads(blobs["coax"]), obj)
     assert_same(utils.loads(blobs["coax_utils"]), obj)
     assert_same(utils.loads(blobs["coax_utils"], safe=True), obj)
@@ -238,7 +296,6 @@ def main() -> None:
         {
             "coax": lambda: coax.dumps(obj),
             "coax_utils": lambda: utils.dumps(obj),
-            "coax_utils 1 thread": lambda: one_thread(utils.dumps)(obj),
             "zstd-1 (2 threads)": lambda: zstd_dumps(obj),
         },
         repeats,
@@ -248,7 +305,6 @@ def main() -> None:
         {
             "coax": lambda: coax.loads(blobs["coax"]),
             "coax_utils": lambda: utils.loads(blobs["coax_utils"]),
-            "coax_utils 1 thread": lambda: one_thread(utils.loads)(blobs["coax_utils"]),
             "zstd-1 (2 threads)": lambda: zstd_loads(blobs["zstd-1 (2 threads)"]),
         },
         repeats,
@@ -257,22 +313,27 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         paths = {k: os.path.join(d, k.split()[0] + ".ckpt") for k in blobs}
-        paths["coax_utils no fsync"] = os.path.join(d, "nofsync.ckpt")
+        paths["coax + fsync"] = os.path.join(d, "coax_fsync.ckpt")
+        paths["write + fsync"] = os.path.join(d, "bare.ckpt")
         writers = {
             "coax": coax.dump,
+            "coax + fsync": fsynced(coax.dump),
             "coax_utils": utils.dump,
-            "coax_utils no fsync": dump_without_fsync,
+            "write + fsync": write_fsync(blobs["coax_utils"]),
             "zstd-1 (2 threads)": zstd_dump,
         }
         readers = {"coax": coax.load, "coax_utils": utils.load, "zstd-1 (2 threads)": zstd_load}
         sync = getattr(os, "sync", None)
         t = run({k: (lambda k=k: writers[k](obj, paths[k])) for k in writers}, repeats, sync)
         disk_sizes = {k: os.path.getsize(p) for k, p in paths.items()}
-        out += report(
-            "dump (file; coax_utils fsyncs, coax does not)", t, size, disk_sizes, "coax"
-        ) + [""]
+        out += report("dump (file; coax_utils fsyncs, coax does not)", t, size, disk_sizes, "coax")
+        out += report("  the same against coax + fsync", t, size, disk_sizes, "coax + fsync")[2:]
+        out += report("  the same against write + fsync", t, size, disk_sizes, "write + fsync")[
+            2:
+        ] + [""]
         for k in writers:
-            assert_same((readers.get(k) or utils.load)(paths[k]), obj)
+            if k != "write + fsync":
+                assert_same((readers.get(k) or utils.load)(paths[k]), obj)
         t = run({k: (lambda k=k: readers[k](paths[k])) for k in blobs}, repeats)
         out += report("load (file, page cache warm)", t, size, disk_sizes, "coax")
     print("\n".join(out))

@@ -134,13 +134,13 @@ def write_container(
     meta: dict,
     segments: list[list[memoryview]],
     write: Callable[[Any], None],
-    chunk_size: int = CHUNK_SIZE,
 ) -> None:
     """Write a container: ``write`` is called with each piece of the output, in order.
 
     ``segments`` holds, per segment, the byte pieces (flat ``uint8`` memoryviews) it is
     made of.
     """
+    chunk_size = CHUNK_SIZE
     meta = dict(meta, codec="lz4.block", checksum="crc32", chunk_size=chunk_size)
     meta_bytes = json.dumps(meta, sort_keys=True).encode()
     head = _HEADER.pack(MAGIC, version, len(meta_bytes)) + meta_bytes
@@ -161,7 +161,9 @@ def write_container(
         k += count
     index = json.dumps({"segments": index_segments}, separators=(",", ":")).encode()
     fields = struct.pack("<QQI", offset, len(index), zlib.crc32(index))
-    write(index + _FOOTER.pack(offset, len(index), zlib.crc32(index), zlib.crc32(fields), END_MAGIC))
+    write(
+        index + _FOOTER.pack(offset, len(index), zlib.crc32(index), zlib.crc32(fields), END_MAGIC)
+    )
 
 
 # -- reading ---------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ strings); everything else is a list whose first item is a tag:
 ``["d", id, pairs]``       dict (also ``"O"`` OrderedDict), ``pairs`` = [[key, value], ...]
 ``["a", id, dt, shape, order, b]``  numpy array of dtype ``dt`` (buffer ``b``)
 ``["s", dt, hex]``         numpy scalar
-``["D", dt]``              numpy dtype
+``["D", dt]``              numpy dtype (``"T"``: its scalar type, e.g. ``np.float32``)
 ``["j", id, dt, shape, weak, b]``   jax array (placed on the default device)
 ``["k", id, impl, data]``  typed PRNG key array (``data`` a ``"j"`` node)
 ``["g", id, name, state]`` numpy Generator over bit generator ``name``
@@ -70,9 +70,9 @@ class UnsafeCheckpointError(ValueError):
 # -- dtypes -----------------------------------------------------------------------------------
 
 _NUMPY_CODES = "?bBhHiIlLqQefdgFDG"
-_NUMPY_DTYPES = {
-    np.dtype(c).newbyteorder(o).str for c in _NUMPY_CODES for o in "<>"
-} | {np.dtype(c).str for c in _NUMPY_CODES}
+_NUMPY_DTYPES = {np.dtype(c).newbyteorder(o).str for c in _NUMPY_CODES for o in "<>"} | {
+    np.dtype(c).str for c in _NUMPY_CODES
+}
 _ML_DTYPES = {
     name: np.dtype(getattr(ml_dtypes, name))
     for name in (
@@ -317,7 +317,7 @@ def _load_builtins() -> None:
                     found.append(obj)
         for cls in sorted(set(found), key=lambda c: (c.__module__, c.__qualname__)):
             for module in public:  # the public name first, so files survive refactorings
-                if getattr(module, cls.__qualname__, None) is cls:
+                if vars(module).get(cls.__qualname__) is cls:
                     _add(cls, f"{module.__name__}.{cls.__qualname__}")
             _add(cls, f"{cls.__module__}.{cls.__qualname__}")
         _builtins_loaded = True
@@ -444,6 +444,9 @@ class Encoder:
         if isinstance(x, np.dtype):
             desc = dtype_descriptor(x)
             return None if desc is None else ["D", desc]
+        if t is type and issubclass(x, np.generic) and x.__module__ in ("numpy", "ml_dtypes"):
+            desc = dtype_descriptor(np.dtype(x))
+            return None if desc is None or np.dtype(x).type is not x else ["T", desc]
         if isinstance(x, jax.Array):
             return self._jax(x, depth)
         if t is np.random.Generator:
@@ -509,6 +512,7 @@ def segments_to_read(structure: Any, segment_sizes: list[int]) -> list[int]:
         else:
             big.add(seg)
     return [FIRST_BUFFER_SEGMENT, *sorted(big)]
+
 
 _KEY_SHAPES = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
 _CONTAINER_TAGS = {"l": list, "S": set, "F": frozenset, "t": tuple}
@@ -673,9 +677,10 @@ class Decoder:
             if type(h) is not str or len(h) != 2 * dt.itemsize:
                 raise ValueError("scalar bytes do not match the dtype's size")
             return np.frombuffer(bytes.fromhex(h), dt)[0] if dt.itemsize else dt.type()
-        if tag == "D":
+        if tag in ("D", "T"):
             (desc,) = self._args(tag, args, 1)
-            return dtype_from_descriptor(desc)
+            dt = dtype_from_descriptor(desc)
+            return dt if tag == "D" else dt.type
         if tag == "j":
             mid, desc, shape, weak, b = self._args(tag, args, 5)
             return self._define(mid, self._jax(desc, shape, weak, b))
