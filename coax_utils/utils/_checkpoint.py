@@ -277,9 +277,9 @@ def dumps(obj: Any) -> bytes:
     (3, dtype('float32'), (2, 3))
     """
     segments = _segments(obj)
-    parts: list[Any] = []
-    _write(segments, parts.append)
-    return b"".join(parts)
+    out = io.BytesIO()  # written while the threads compress the next chunks
+    _write(segments, out.write)
+    return out.getvalue()
 
 
 @_with_warning(**_STRINGS)

@@ -103,7 +103,8 @@ def map_ordered(fn: Callable[[Any], Any], items: Iterable[Any], threaded: bool) 
 def _chunks(pieces: list[memoryview], chunk_size: int) -> Iterator[memoryview]:
     """Cut a segment (a list of byte pieces) into chunks; copies only across piece borders."""
     partial = bytearray()
-    for piece in pieces:
+    last = len(pieces) - 1
+    for i, piece in enumerate(pieces):
         pos, n = 0, piece.nbytes
         if partial:
             take = min(n, chunk_size - len(partial))
@@ -117,14 +118,27 @@ def _chunks(pieces: list[memoryview], chunk_size: int) -> Iterator[memoryview]:
             yield piece[pos : pos + chunk_size]
             pos += chunk_size
         if pos < n:
-            partial += piece[pos:]
+            if i == last:
+                yield piece[pos:]  # the segment's tail: no copy
+            else:
+                partial += piece[pos:]
     if partial:
         yield memoryview(partial)
 
 
+_PROBE = 64 << 10
+
+
 def _compress(chunk: memoryview) -> tuple[Any, int, int]:
+    n = chunk.nbytes
+    if n >= 16 * _PROBE:
+        # Random floats (weights, optimizer moments) do not compress: a probe from the middle
+        # of the chunk that lz4 cannot shrink by 2 % saves compressing the whole chunk.
+        probe = chunk[n // 2 : n // 2 + _PROBE]
+        if len(lz4.block.compress(probe, store_size=False)) > 0.98 * _PROBE:
+            return chunk, zlib.crc32(chunk), RAW
     packed = lz4.block.compress(chunk, store_size=False)
-    if len(packed) < chunk.nbytes:
+    if len(packed) < n:
         return packed, zlib.crc32(packed), LZ4
     return chunk, zlib.crc32(chunk), RAW
 
