@@ -425,4 +425,9 @@ def load(filepath: str | os.PathLike, safe: bool = False) -> Any:
     """
     path = as_path(filepath)
     with open_regular_file(path) as (fd, size):
-        return _load_from(FileSource(fd, size), bool(safe), f"file {path!r}")
+        if hasattr(os, "preadv"):
+            data: Any = FileSource(fd, size)
+        else:  # read it whole where the OS has no preadv
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = MemorySource(memoryview(f.read()))
+        return _load_from(data, bool(safe), f"file {path!r}")

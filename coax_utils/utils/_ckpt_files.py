@@ -99,10 +99,10 @@ def atomic_write(path: str, write_all: Callable[[Callable[[Any], None]], None]) 
     try:
         try:
             _write_fd(fd, write_all)
-            os.fchmod(fd, mode)
             os.fsync(fd)
         finally:
             os.close(fd)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -916,3 +916,10 @@ def test_docstrings_warn_about_trust_and_references():
     for fn in (utils.dump, utils.dumps, utils.load, utils.loads):
         assert "References between objects are only preserved" in fn.__doc__
         assert "{references}" not in fn.__doc__
+
+
+def test_file_load_without_preadv(tmp_path, monkeypatch):
+    state = {"w": np.arange(100_000.0), "n": 1}
+    utils.dump(state, tmp_path / "x.ckpt")
+    monkeypatch.delattr(os, "preadv")
+    assert_tree_equal(utils.load(tmp_path / "x.ckpt", safe=True), state)
