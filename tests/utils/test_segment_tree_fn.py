@@ -92,7 +92,7 @@ def test_set_reduce_match_naive_oracle(capacity, data):
             ref[i] = v
         state = _set(state, jnp.asarray(idx), jnp.asarray(vals))
         state_vectorized = _set_vectorized(
-            state_vectorized, jnp.asarray(idx, jnp.int32), jnp.asarray(vals)
+            state_vectorized, jnp.asarray(idx, jnp.int32), jnp.asarray(vals), jnp.asarray(idx >= 0)
         )
         np.testing.assert_array_equal(np.asarray(state_vectorized.nodes), np.asarray(state.nodes))
         np.testing.assert_array_equal(np.asarray(sum_tree_values(state)), ref)
