@@ -646,8 +646,9 @@ def to_gymnasium_space(space: Any) -> gymnasium.Space:
     """Convert a JAX space (or a gymnax-style space) to the equivalent gymnasium space.
 
     Besides this module's spaces, duck-typed gymnax spaces are understood: objects with
-    ``n`` or, as in older gymnax releases, ``num_categories`` and no bounds (Discrete), with ``low``, ``high``, ``shape`` and ``dtype`` (Box), and
-    with a tuple or dict ``spaces`` attribute (Tuple, Dict). A gymnasium space is returned
+    ``n`` or, as in older gymnax releases, ``num_categories`` and no bounds (Discrete),
+    with ``low``, ``high``, ``shape`` and ``dtype`` (Box), and with a tuple or dict
+    ``spaces`` attribute (Tuple, Dict). A gymnasium space is returned
     as it is.
 
     Parameters
