@@ -12,6 +12,8 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# gymnax declares gymnasium<1.4 (it runs on 1.4): no deps, its imports are in [dev]
+	$(PY) -m pip install --quiet --no-deps "gymnax==1.0.1"
 	touch $(STAMP)
 
 install: $(STAMP)

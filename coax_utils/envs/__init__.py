@@ -17,6 +17,7 @@ from coax_utils.envs._spaces import (
     to_gymnasium_space,
     to_jax_space,
 )
+from coax_utils.envs._step import step_without_autoreset
 
 __all__ = [
     "Box",
@@ -30,6 +31,7 @@ __all__ = [
     "MultiDiscrete",
     "Space",
     "Tuple",
+    "step_without_autoreset",
     "to_gymnasium_space",
     "to_jax_space",
 ]

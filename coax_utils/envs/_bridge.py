@@ -20,6 +20,7 @@ from jax.experimental import io_callback
 
 from coax_utils._dataclass import pytree_dataclass
 from coax_utils.envs._spaces import Space, _canonical, to_gymnasium_space, to_jax_space
+from coax_utils.envs._step import step_without_autoreset
 
 __all__ = ["GymnasiumParams", "GymnasiumState", "GymnasiumToJax", "JaxToGymnasium"]
 
@@ -231,8 +232,11 @@ class GymnasiumToJax:
         for attr in ("reset", "step", "observation_space", "action_space"):
             if not hasattr(env, attr):
                 raise TypeError(f"env must be a gymnasium env, got {env!r} without {attr!r}")
-        if seed is not None and (isinstance(seed, bool) or int(seed) != seed or seed < 0):
-            raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
+        if seed is not None:
+            if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+                raise TypeError(f"seed must be a non-negative int or None, got {seed!r}")
+            if seed < 0:
+                raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
         self.env = env
         self.num_envs = int(env.num_envs) if isinstance(env, gymnasium.vector.VectorEnv) else None
         self._seed = None if seed is None else int(seed)
@@ -349,7 +353,12 @@ class GymnasiumToJax:
         ------
         ValueError
             When ``action`` does not have the action space's structure and shapes (at trace
-            time), or when the state is stale or no reset happened (when the step runs).
+            time), or when it is not an element of the action space (e.g. out of range),
+            the state is stale or no reset happened (when the step runs, before the env
+            is stepped).
+        TypeError
+            When an action leaf has a dtype that does not cast to the space's dtype without
+            changing kind (e.g. the float 0.9 for a Discrete space), at trace time.
         """
         return self._step(self._call_step, state, action)
 
@@ -404,6 +413,11 @@ class GymnasiumToJax:
                 raise ValueError(
                     f"action of shape {x.shape} does not match the action space "
                     f"{self._act_space!r}, which expects shape {spec.shape}"
+                )
+            if not np.can_cast(x.dtype, spec.dtype, "same_kind"):
+                raise TypeError(
+                    f"action {action!r} of dtype {x.dtype} cannot be an element of the action "
+                    f"space {self._act_space!r} (dtype {spec.dtype}): casting would change it"
                 )
             out.append(x.astype(spec.dtype))
         return out
@@ -488,6 +502,11 @@ class GymnasiumToJax:
                 "reset(key, params) first"
             )
         action = _cast_action(self._gym_act_space, self._act_treedef.unflatten(action_leaves))
+        if not self._gym_act_space.contains(action):
+            raise ValueError(
+                f"GymnasiumToJax.step got the action {action!r}, which is not an element of "
+                f"the action space {self._gym_act_space}; the env was not stepped"
+            )
         obs, reward, terminated, truncated, info = self.env.step(action)
         final = self._obs_leaves(obs, "the observation of step")
         leaves = final
@@ -533,13 +552,13 @@ class JaxToGymnasium(gymnasium.Env):
     """A functional JAX env (gymnax style) behind the :class:`gymnasium.Env` interface.
 
     The JAX env needs ``default_params``, ``reset(key, params) -> (obs, state)``,
-    ``observation_space(params)``, ``action_space(params)`` and a step function returning
-    either the old 5-tuple ``(obs, state, reward, done, info)`` or the new 6-tuple
-    ``(obs, state, reward, terminated, truncated, info)``. ``step_env`` is used when the env
-    has it (gymnax's step without autoreset, so that the terminal observation is the real
-    one), ``step`` otherwise. With the 5-tuple, ``done`` is reported as ``terminated`` and
-    ``truncated`` is always False. Spaces may be this package's JAX spaces or gymnax-style
-    ones (see :func:`to_gymnasium_space`).
+    ``observation_space(params)``, ``action_space(params)`` and ``step``/``step_env`` of any
+    gymnax API (the 5-tuple ``(obs, state, reward, done, info)`` of gymnax < 1.0, gymnax >=
+    1.0, or the 6-tuple ``(obs, state, reward, terminated, truncated, info)``). Every step is
+    :func:`step_without_autoreset`: the terminal observation is the real one, the env's time
+    limit (``max_steps_in_episode``) ends episodes with ``truncated=True``, and termination
+    is reported apart from truncation. Spaces may be this package's JAX spaces or
+    gymnax-style ones (see :func:`to_gymnasium_space`).
 
     Reset and step are jitted once. Keys come from the env's ``np_random``: ``reset(seed=s)``
     is deterministic, and ``reset()`` continues the seeded stream. Observations, rewards and
@@ -587,9 +606,8 @@ class JaxToGymnasium(gymnasium.Env):
         # actions are cast to fixed JAX dtypes, so that the jitted step never retraces
         act_spec = to_jax_space(self.action_space).shape_dtype()
         self._act_dtypes, self._act_treedef = jax.tree_util.tree_flatten(act_spec)
-        step_fn = env.step_env if hasattr(env, "step_env") else env.step
         self._reset_fn = jax.jit(env.reset)
-        self._step_fn = jax.jit(step_fn)
+        self._step_fn = jax.jit(functools.partial(step_without_autoreset, env))
         self._key: jax.Array | None = None
         self._state: Any = None
 
@@ -615,16 +633,7 @@ class JaxToGymnasium(gymnasium.Env):
             [jnp.asarray(x, s.dtype) for x, s in zip(leaves, self._act_dtypes)]
         )
         out = self._step_fn(sub, self._state, action, self.params)
-        if len(out) == 6:
-            obs, state, reward, terminated, truncated, info = out
-        elif len(out) == 5:
-            obs, state, reward, terminated, info = out
-            truncated = False
-        else:
-            raise ValueError(
-                f"the JAX env's step returned {len(out)} values; expected 5 (obs, state, "
-                "reward, done, info) or 6 (obs, state, reward, terminated, truncated, info)"
-            )
+        obs, state, reward, terminated, truncated, info = out
         self._state = state
         info = jax.tree_util.tree_map(np.array, dict(info or {}))
         return (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import collections.abc
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,37 @@ __all__ = [
 def _canonical(dtype: Any) -> np.dtype:
     """The dtype JAX uses for ``dtype`` under the current x64 setting."""
     return np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype)))
+
+
+def _check_int(name: str, value: Any) -> int:
+    """``value`` as an int; bools, floats and other types are refused with a TypeError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _check_int_array(name: str, value: Any) -> np.ndarray:
+    """``value`` as an integer array; booleans and floats are refused with a TypeError."""
+    arr = np.asarray(value)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got {value!r} (dtype {arr.dtype})")
+    return arr
+
+
+def _check_representable(what: str, low: Any, high: Any, dtype: np.dtype) -> None:
+    """Refuse integer values in ``[low, high]`` that the dtype JAX uses cannot hold.
+
+    Without ``jax_enable_x64`` JAX computes with 32-bit integers: a 64-bit space whose
+    values go beyond that range would be sampled wrongly, so it is refused.
+    """
+    cdt = _canonical(dtype)
+    info = np.iinfo(cdt)
+    lo, hi = int(np.min(low)), int(np.max(high))
+    if lo < info.min or hi > info.max:
+        raise ValueError(
+            f"{what} has values in [{lo}, {hi}], beyond the range of {cdt.name}, the dtype JAX "
+            f"uses for {np.dtype(dtype).name} here; enable jax_enable_x64 to sample it"
+        )
 
 
 def _false() -> jax.Array:
@@ -131,6 +163,22 @@ class Box(Space):
         if shape is None:
             shape = np.broadcast_shapes(np.shape(low), np.shape(high))
         self.shape = tuple(int(d) for d in shape)
+        for name, bound in (("low", low), ("high", high)):
+            arr = np.asarray(bound)
+            if arr.dtype == object or not (
+                np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_
+            ):
+                raise TypeError(f"Box {name} must be numbers, got {bound!r}")
+            if np.any(np.isnan(arr)):
+                raise ValueError(f"Box {name} must not be NaN, got {name}={bound!r}")
+            if not np.issubdtype(self.dtype, np.floating) and arr.size:
+                info = np.iinfo(self.dtype) if self.dtype != np.bool_ else np.iinfo(np.uint8)
+                top = 1 if self.dtype == np.bool_ else info.max
+                if np.min(arr) < info.min or np.max(arr) > top:
+                    raise ValueError(
+                        f"Box {name}={bound!r} is out of the range [{info.min}, {top}] of "
+                        f"dtype {self.dtype}"
+                    )
         try:
             self.low = np.array(np.broadcast_to(low, self.shape), dtype=self.dtype)
             self.high = np.array(np.broadcast_to(high, self.shape), dtype=self.dtype)
@@ -148,6 +196,8 @@ class Box(Space):
         """Draw a random element of the box (see the class docstring for the distribution)."""
         cdt = _canonical(self.dtype)
         if not np.issubdtype(self.dtype, np.floating):
+            if self.dtype != np.bool_ and self.low.size:
+                _check_representable(repr(self), self.low, self.high, self.dtype)
             wide = _canonical(np.int64)
             info = np.iinfo(wide)
             low = np.clip(self.low.astype(np.float64), info.min, info.max - 1).astype(wide)
@@ -177,7 +227,14 @@ class Box(Space):
         return jnp.clip(x, low_c, high_c)
 
     def _bounds(self, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-        """The bounds in ``dtype`` (values beyond its range become infinite)."""
+        """The bounds in ``dtype``: float bounds beyond its range become infinite, integer
+        bounds are clipped to its range (no value beyond it can be given in ``dtype``)."""
+        if np.issubdtype(dtype, np.integer):
+            info = np.iinfo(dtype)
+            return (
+                np.clip(self.low, info.min, info.max).astype(dtype),
+                np.clip(self.high, info.min, info.max).astype(dtype),
+            )
         with np.errstate(over="ignore"):
             return self.low.astype(dtype), self.high.astype(dtype)
 
@@ -236,17 +293,30 @@ class Discrete(Space):
     """
 
     def __init__(self, n: int, start: int = 0, dtype: Any = np.int64) -> None:
-        if int(n) != n or int(n) <= 0:
+        n, start = _check_int("Discrete n", n), _check_int("Discrete start", start)
+        if n <= 0:
             raise ValueError(f"Discrete needs a positive integer n, got {n!r}")
         self.dtype = np.dtype(dtype)
         if not np.issubdtype(self.dtype, np.integer):
             raise TypeError(f"Discrete dtype must be an integer dtype, got {self.dtype}")
-        self.n = int(n)
-        self.start = int(start)
+        info = np.iinfo(self.dtype)
+        if start < info.min or start + n - 1 > info.max:
+            raise ValueError(
+                f"Discrete({n}, start={start}) has values beyond the range of {self.dtype}"
+            )
+        self.n = n
+        self.start = start
         self.shape = ()
 
     def sample(self, key: jax.Array) -> jax.Array:
-        """Draw an element uniformly at random."""
+        """Draw an element uniformly at random.
+
+        Raises
+        ------
+        ValueError
+            If the values do not fit in the dtype JAX uses (32-bit without x64).
+        """
+        _check_representable(repr(self), self.start, self.start + self.n - 1, self.dtype)
         cdt = _canonical(self.dtype)
         return (self.start + jax.random.randint(key, (), 0, self.n, dtype=cdt)).astype(cdt)
 
@@ -295,18 +365,36 @@ class MultiDiscrete(Space):
         self.dtype = np.dtype(dtype)
         if not np.issubdtype(self.dtype, np.integer):
             raise TypeError(f"MultiDiscrete dtype must be an integer dtype, got {self.dtype}")
-        self.nvec = np.array(nvec, dtype=self.dtype, copy=True)
-        if self.nvec.size == 0 or np.any(self.nvec <= 0):
+        nvec_in = _check_int_array("MultiDiscrete nvec", nvec)
+        if nvec_in.size == 0 or np.any(nvec_in <= 0):
             raise ValueError(f"MultiDiscrete needs positive entries in nvec, got {nvec!r}")
-        if start is None:
-            start = np.zeros_like(self.nvec)
-        self.start = np.array(np.broadcast_to(start, self.nvec.shape), dtype=self.dtype)
+        start_in = _check_int_array(
+            "MultiDiscrete start", np.zeros_like(nvec_in) if start is None else start
+        )
+        info = np.iinfo(self.dtype)
+        lo = start_in.astype(object)
+        hi = lo + nvec_in.astype(object) - 1
+        if np.min(lo) < info.min or np.max(hi) > info.max:
+            raise ValueError(
+                f"MultiDiscrete(nvec={nvec!r}, start={start!r}) has values beyond the range "
+                f"of {self.dtype}"
+            )
+        self.nvec = np.array(nvec_in, dtype=self.dtype, copy=True)
+        self.start = np.array(np.broadcast_to(start_in, self.nvec.shape), dtype=self.dtype)
         self.shape = self.nvec.shape
         self.nvec.setflags(write=False)
         self.start.setflags(write=False)
 
     def sample(self, key: jax.Array) -> jax.Array:
-        """Draw each entry uniformly at random."""
+        """Draw each entry uniformly at random.
+
+        Raises
+        ------
+        ValueError
+            If the values do not fit in the dtype JAX uses (32-bit without x64).
+        """
+        top = self.start.astype(object) + self.nvec.astype(object) - 1
+        _check_representable(repr(self), self.start, top, self.dtype)
         cdt = _canonical(self.dtype)
         nvec = self.nvec.astype(cdt)
         start = self.start.astype(cdt)
@@ -348,11 +436,11 @@ class MultiBinary(Space):
     """
 
     def __init__(self, n: int | Sequence[int]) -> None:
-        if isinstance(n, (int, np.integer)):
-            self.n: int | tuple[int, ...] = int(n)
-            self.shape = (int(n),)
+        if isinstance(n, (int, np.integer, bool, np.bool_)):
+            self.n: int | tuple[int, ...] = _check_int("MultiBinary n", n)
+            self.shape = (self.n,)
         else:
-            self.n = tuple(int(d) for d in n)
+            self.n = tuple(_check_int("MultiBinary n", d) for d in n)
             self.shape = self.n
         if any(d <= 0 for d in self.shape):
             raise ValueError(f"MultiBinary needs positive sizes, got {n!r}")
@@ -558,8 +646,9 @@ def to_gymnasium_space(space: Any) -> gymnasium.Space:
     """Convert a JAX space (or a gymnax-style space) to the equivalent gymnasium space.
 
     Besides this module's spaces, duck-typed gymnax spaces are understood: objects with
-    ``num_categories`` (Discrete), with ``low``, ``high``, ``shape`` and ``dtype`` (Box), and
-    with a tuple or dict ``spaces`` attribute (Tuple, Dict). A gymnasium space is returned
+    ``n`` or, as in older gymnax releases, ``num_categories`` and no bounds (Discrete),
+    with ``low``, ``high``, ``shape`` and ``dtype`` (Box), and with a tuple or dict
+    ``spaces`` attribute (Tuple, Dict). A gymnasium space is returned
     as it is.
 
     Parameters
@@ -597,10 +686,13 @@ def to_gymnasium_space(space: Any) -> gymnasium.Space:
         return s.Tuple([to_gymnasium_space(sp) for sp in space.spaces])
     if isinstance(space, Dict):
         return s.Dict([(k, to_gymnasium_space(sp)) for k, sp in space.spaces.items()])
-    # duck-typed gymnax spaces
-    if hasattr(space, "num_categories"):
+    # duck-typed gymnax spaces: Discrete has ``n`` (gymnax >= 0.0.6) or ``num_categories``
+    # (older releases), and no bounds
+    if not hasattr(space, "low") and (hasattr(space, "n") or hasattr(space, "num_categories")):
+        n = getattr(space, "n", None)
+        n = getattr(space, "num_categories", None) if n is None else n
         dtype = np.dtype(getattr(space, "dtype", np.int64))
-        return s.Discrete(int(space.num_categories), dtype=dtype)
+        return s.Discrete(_check_int("the number of categories", operator.index(n)), dtype=dtype)
     if all(hasattr(space, a) for a in ("low", "high", "shape", "dtype")):
         dtype, shape = np.dtype(space.dtype), tuple(space.shape)
         low = np.broadcast_to(np.asarray(space.low, dtype), shape)

@@ -23,8 +23,10 @@ from coax_utils._dataclass import pytree_dataclass
 from coax_utils.replay._host import SequenceSample
 from coax_utils.utils._segment_tree_fn import (
     SumTreeState,
+    checked_indices,
     sum_tree_init,
     sum_tree_set,
+    value_cap,
 )
 
 __all__ = [
@@ -93,7 +95,7 @@ def _uniform(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
 
 
 def _tree_inverse_cdf(tree: SumTreeState, u: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Indices for ``u`` in [0, 1] and their probabilities ``value / total``.
+    """Indices for ``u`` in [0, 1] and their values (never a zero value if the total is not).
 
     Every read of the tree happens inside the loop (the root's children give the total in the
     first iteration), so nothing outside it keeps the old tree alive.
@@ -101,14 +103,14 @@ def _tree_inverse_cdf(tree: SumTreeState, u: jax.Array) -> tuple[jax.Array, jax.
     nodes = tree.nodes
     u = jnp.clip(u, 0, 1).astype(nodes.dtype)
     if tree.height == 0:  # capacity 1: a single slot
-        return jnp.zeros(u.shape, jnp.int32), jnp.ones(u.shape, nodes.dtype)
+        return jnp.zeros(u.shape, jnp.int32), jnp.broadcast_to(nodes[1], u.shape)
 
     def level(i: Any, carry: tuple) -> tuple:
         node, target, total, value = carry
         left, right = nodes[2 * node], nodes[2 * node + 1]
         total = jnp.where(i == 0, left + right, total)
         target = jnp.where(i == 0, target * total, target)
-        go_left = (target < left) | (right <= 0)
+        go_left = (left > 0) & ((target < left) | (right <= 0))
         return (
             jnp.where(go_left, 2 * node, 2 * node + 1),
             jnp.where(go_left, target, target - left),
@@ -118,9 +120,9 @@ def _tree_inverse_cdf(tree: SumTreeState, u: jax.Array) -> tuple[jax.Array, jax.
 
     zeros = jnp.zeros(u.shape, nodes.dtype)
     start = (jnp.ones(u.shape, jnp.int32), u, zeros, zeros)
-    node, _, total, value = jax.lax.fori_loop(0, tree.height, level, start)
+    node, _, _, value = jax.lax.fori_loop(0, tree.height, level, start)
     indices = jnp.minimum(node - tree.num_leaves, tree.capacity - 1).astype(jnp.int32)
-    return indices, value / total
+    return indices, value
 
 
 def _tree_set(tree: SumTreeState, indices: jax.Array, values: jax.Array, valid: jax.Array) -> Any:
@@ -508,12 +510,19 @@ def make_prioritized_buffer(
 
     - ``sample(state, key, batch_size, beta=None) -> PrioritizedSample``: ``batch_size``
       (static) items drawn with replacement; ``beta`` overrides the factory's value and may be
-      a traced scalar (for an annealing schedule).
+      a traced scalar (for an annealing schedule). A concrete ``beta`` that is negative or
+      not finite raises ValueError; a traced one is clipped to ``[0, inf]`` with NaN read as
+      0. Weights are computed from the priorities of the sampled slots (never zero), so
+      they are never NaN; on an empty buffer they are 1.
     - ``update(state, indices, priorities) -> state``: set new priorities of the slots
       ``indices`` (the ``indices`` of a sample). With duplicate indices the last one wins;
-      NaN or infinite priorities and indices of empty slots are ignored (nothing can be
-      raised inside a jitted function). If a slot was overwritten since it was sampled, the
-      new item gets the priority.
+      NaN or infinite priorities, indices of empty slots and out-of-range indices (whatever
+      their integer dtype: ``2**32 + 1`` does not wrap to slot 1) are ignored, since nothing
+      can be raised inside a jitted function for a value; a non-integer ``indices`` dtype
+      raises a TypeError while tracing. :math:`p_i` is capped at ``finfo(float32).max /
+      (2 L)`` (``L`` the sum tree's leaf count), so the total priority stays finite and
+      weights never become NaN. If a slot was overwritten since it was sampled, the new item
+      gets the priority.
 
     Everything is jittable, vmappable and donation-friendly
     (``jax.jit(buffer.update, donate_argnums=0)``), as for :func:`make_uniform_buffer`.
@@ -584,19 +593,32 @@ def make_prioritized_buffer(
         state: PrioritizedBufferState, key: jax.Array, batch_size: int, beta: Any = None
     ) -> PrioritizedSample:
         batch_size = _check_static_int(batch_size, "batch_size")
-        beta_ = default_beta if beta is None else jnp.asarray(beta, jnp.float32)
+        if beta is None:
+            beta_ = jnp.float32(default_beta)
+        else:
+            if not isinstance(beta, (jax.Array, jax.core.Tracer)):
+                b = np.asarray(beta, np.float64)
+                if b.shape != () or not np.isfinite(b) or b < 0:
+                    raise ValueError(f"beta must be a finite float >= 0, got {beta!r}")
+            beta_ = jnp.nan_to_num(jnp.maximum(jnp.asarray(beta, jnp.float32), 0), nan=0.0)
         u = _uniform(key, (batch_size,), jnp.float32)
-        indices, prob = _tree_inverse_cdf(state.tree, u)
-        # (N P)^-beta / max (N P)^-beta  ==  (P / min P)^-beta
-        weights = jnp.power(prob / jnp.min(prob), -beta_)
+        indices, value = _tree_inverse_cdf(state.tree, u)
+        # (N P)^-beta / max (N P)^-beta  ==  (p / min p)^-beta: the total cancels
+        low = jnp.min(value)
+        ratio = jnp.where(low > 0, value / jnp.where(low > 0, low, 1), 1)
+        weights = jnp.where(ratio > 1, jnp.power(ratio, -beta_), 1.0)
         return PrioritizedSample(_gather(state.items, indices), indices, weights)
 
     def update(
         state: PrioritizedBufferState, indices: jax.Array, priorities: jax.Array
     ) -> PrioritizedBufferState:
-        indices = jnp.asarray(indices, jnp.int32)
-        p = jnp.power(jnp.abs(jnp.asarray(priorities, jnp.float32)) + epsilon, alpha)
-        valid = jnp.isfinite(p) & (indices >= 0) & (indices < state.size)
+        indices, valid = checked_indices(indices, capacity)
+        priorities = jnp.broadcast_to(
+            jnp.asarray(priorities, jnp.float32).reshape(-1), indices.shape
+        )
+        p = jnp.power(jnp.abs(priorities) + epsilon, alpha)
+        p = jnp.minimum(p, value_cap(jnp.float32, state.tree.num_leaves))
+        valid = valid & jnp.isfinite(priorities) & (indices < state.size)
         tree = _tree_set(state.tree, indices, p, valid)
         max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(valid, p, 0.0), initial=0.0))
         return state.replace(tree=tree, max_priority=max_p)

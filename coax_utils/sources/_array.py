@@ -7,7 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from coax_utils._dataclass import pytree_dataclass
-from coax_utils.sources._base import PyTree, check_ordering, epoch_permutation, refresh_order
+from coax_utils.sources._base import (
+    PyTree,
+    canonical_dtype,
+    check_fits,
+    check_ordering,
+    check_state,
+    epoch_permutation,
+    refresh_order,
+)
 
 __all__ = ["ArraySource", "ArraySourceState"]
 
@@ -58,7 +66,9 @@ class ArraySource:
     ------
     ValueError
         If ``data`` has no leaves, a leaf is a scalar, the leading axes differ, there are
-        zero samples, or ``ordering`` is unknown.
+        zero samples, ``ordering`` is unknown, or a NumPy leaf holds 64-bit values that the
+        32-bit dtype JAX uses without ``jax_enable_x64`` cannot hold (integers beyond its
+        range, finite floats beyond float32's range); nothing is silently wrapped.
 
     Examples
     --------
@@ -94,7 +104,13 @@ class ArraySource:
         if num_samples == 0:
             raise ValueError("data has zero samples (leading axis of length 0)")
         self._num_samples = int(num_samples)
-        self._data = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in leaves])
+        arrays = []
+        for i, x in enumerate(leaves):
+            if not isinstance(x, jax.Array):
+                x = np.asarray(x)
+                check_fits(x, canonical_dtype(x.dtype), f"leaf {i} of data")
+            arrays.append(jnp.asarray(x))
+        self._data = jax.tree_util.tree_unflatten(treedef, arrays)
         self._spec = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), self._data
         )
@@ -149,6 +165,7 @@ class ArraySource:
 
     def _refresh(self, state: ArraySourceState) -> ArraySourceState:
         """Draw the epoch's permutation if the previous epoch just ended."""
+        check_state(state, ArraySourceState, self._num_samples, self)
         order, key = refresh_order(
             state.key, state.order, state.reshuffle, self._ordering == "shuffle"
         )
@@ -175,6 +192,13 @@ class ArraySource:
         tuple
             The sample (a pytree like ``data`` without the leading axis), the mask and the
             advanced state.
+
+        Raises
+        ------
+        TypeError
+            If ``state`` is not an :class:`ArraySourceState`.
+        ValueError
+            If ``state`` belongs to a source with another number of samples (at trace time).
         """
         state = self._refresh(state)
         index = state.order[state.position]

@@ -87,6 +87,53 @@ def canonical_dtype(dtype: Any) -> np.dtype:
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
+def check_fits(array: np.ndarray, dtype: Any, what: str) -> None:
+    """Raise ValueError if casting ``array`` to ``dtype`` would change a value's magnitude.
+
+    Without ``jax_enable_x64`` JAX stores 64-bit data in 32 bits; integers beyond that range
+    would wrap around and floats beyond it would become infinite. (Float rounding to the
+    narrower precision is what JAX does everywhere, and is allowed.)
+    """
+    dtype = np.dtype(dtype)
+    if array.size == 0 or array.dtype == dtype or array.dtype == np.bool_:
+        return
+    if np.issubdtype(dtype, np.integer):
+        if not np.issubdtype(array.dtype, np.integer):
+            return
+        info = np.iinfo(dtype)
+        low, high = array.min(), array.max()
+        if low < info.min or high > info.max:
+            bad = low if low < info.min else high
+            raise ValueError(
+                f"{what} holds the {array.dtype} value {bad}, which does not fit in "
+                f"{dtype.name}, the dtype JAX uses for it (enable jax_enable_x64 to keep "
+                "64-bit values, or convert the data)"
+            )
+    elif np.issubdtype(dtype, np.floating) and np.issubdtype(array.dtype, np.floating):
+        finite = np.abs(array[np.isfinite(array)])
+        if finite.size and finite.max() > np.finfo(dtype).max:
+            raise ValueError(
+                f"{what} holds the {array.dtype} value {finite.max()}, beyond the range of "
+                f"{dtype.name}, the dtype JAX uses for it (enable jax_enable_x64 to keep "
+                "64-bit values, or convert the data)"
+            )
+
+
+def check_state(state: Any, cls: type, order_length: int, owner: Any) -> None:
+    """Refuse a state that is not a ``cls`` or whose ``order`` has the wrong length.
+
+    Shapes are static, so this runs while tracing; it catches a state of another source.
+    """
+    if not isinstance(state, cls):
+        raise TypeError(f"{owner!r}.next needs a {cls.__name__}, got {type(state).__name__}")
+    shape = tuple(np.shape(state.order))
+    if shape != (order_length,):
+        raise ValueError(
+            f"{owner!r}.next got the state of another source: its order has shape {shape}, "
+            f"but this source has {order_length} samples"
+        )
+
+
 def spec_of(tree: PyTree) -> PyTree:
     """Pytree of :class:`jax.ShapeDtypeStruct` of the leaves of ``tree`` (dtypes canonical)."""
     return jax.tree_util.tree_map(

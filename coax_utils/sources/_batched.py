@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from coax_utils._dataclass import pytree_dataclass
 from coax_utils.sources._base import PyTree, Source, check_positive_int, zeros_like_spec
@@ -77,7 +78,8 @@ class BatchedSource:
         If ``batch_size`` is not positive, or ``drop_last`` would drop every batch
         (:math:`n < B`).
     TypeError
-        If ``source`` does not implement the :class:`Source` protocol.
+        If ``source`` does not implement the :class:`Source` protocol, or ``drop_last`` is
+        not a bool.
 
     Examples
     --------
@@ -103,6 +105,8 @@ class BatchedSource:
                 f"next, element_spec), got {source!r}"
             )
         self._batch_size = check_positive_int("batch_size", batch_size)
+        if not isinstance(drop_last, (bool, np.bool_)):
+            raise TypeError(f"drop_last must be a bool, got {drop_last!r}")
         self._drop_last = bool(drop_last)
         self._source = source
         n = check_positive_int("source.steps_per_epoch", source.steps_per_epoch)

@@ -14,8 +14,10 @@ from coax_utils._dataclass import pytree_dataclass
 from coax_utils.sources._base import (
     PyTree,
     canonical_dtype,
+    check_fits,
     check_ordering,
     check_positive_int,
+    check_state,
     epoch_permutation,
     refresh_order,
     spec_of,
@@ -104,7 +106,9 @@ class DiskSource:
     and the problem; called eagerly that error propagates as is, and under ``jit`` JAX
     re-raises it as a :class:`jax.errors.JaxRuntimeError` carrying the same message.
     Dtypes are compared after JAX's canonicalization (a float64 sample matches a float32
-    spec when 64-bit mode is off).
+    spec when 64-bit mode is off); a 64-bit value that the 32-bit dtype cannot hold (an
+    int64 beyond int32's range, a float64 beyond float32's) raises the same way instead of
+    wrapping around.
 
     Examples
     --------
@@ -219,6 +223,7 @@ class DiskSource:
                     f"DiskSource: sample_fn({index}) returned leaf {leaf_index} with "
                     f"{_describe(got)}; the spec expects {_describe(spec)}"
                 )
+            check_fits(array, spec.dtype, f"DiskSource: leaf {leaf_index} of sample_fn({index})")
             arrays.append(array)
         return arrays
 
@@ -235,8 +240,12 @@ class DiskSource:
                 raise ValueError("structure")
             for k, (buf, spec) in enumerate(zip(out, self._spec_leaves)):
                 column = [np.asarray(leaf) for leaf in leaves[k::width]]
-                if not all(self._dtype_matches(dt, spec) for dt in {a.dtype for a in column}):
+                dtypes = {a.dtype for a in column}
+                if not all(self._dtype_matches(dt, spec) for dt in dtypes):
                     raise ValueError("dtype")
+                if dtypes != {spec.dtype}:  # 64-bit values narrowed: check that they fit
+                    for a in column:
+                        check_fits(a, spec.dtype, "")
                 if rows:
                     np.stack(column, out=buf[:rows])  # raises on a shape mismatch
         except ValueError:
@@ -312,7 +321,25 @@ class DiskSource:
         -------
         tuple
             The sample, a scalar ``True`` mask and the advanced state.
+
+        Raises
+        ------
+        TypeError
+            If ``state`` is not a :class:`DiskSourceState`.
+        ValueError
+            If ``state`` belongs to another source (another length, prefetch size or
+            element spec), at trace time.
         """
+        check_state(state, DiskSourceState, self._length, self)
+        buffer_spec = jax.tree_util.tree_map(lambda b: (tuple(b.shape), b.dtype), state.buffer)
+        expected = jax.tree_util.tree_map(
+            lambda s: ((self._prefetch_size, *s.shape), s.dtype), self._spec
+        )
+        if buffer_spec != expected:
+            raise ValueError(
+                f"{self!r}.next got the state of another source: its buffer is {buffer_spec}, "
+                f"this source's is {expected}"
+            )
         # Nothing reads the large fields before this conditional (no copies on XLA:CPU).
         stale = jnp.logical_or(
             state.buffer_start < 0, state.position >= state.buffer_start + self._prefetch_size

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from coax_utils._dataclass import pytree_dataclass
+from coax_utils.envs import step_without_autoreset
 from coax_utils.sources._base import PyTree, check_positive_int
 
 __all__ = ["GymnaxSource", "GymnaxSourceState"]
@@ -53,34 +54,30 @@ class GymnaxSource:
     r"""Stream transitions by rolling out a gymnax-style JAX environment with a policy.
 
     The environment follows the gymnax API: ``env.reset(key, params) -> (obs, env_state)``
-    and either the 5-tuple step of gymnax < 1.0,
+    and a step of any gymnax release: the 5-tuple step of gymnax < 1.0,
     ``env.step(key, env_state, action, params) -> (obs, env_state, reward, done, info)``,
-    or the 6-tuple step of gymnax >= 1.0,
-    ``-> (obs, env_state, reward, terminated, truncated, info)`` (the convention is
-    detected once, at construction). Gymnasium environments run through
-    :class:`coax_utils.envs.GymnasiumToJax`.
+    gymnax >= 1.0 (whose ``step_env`` no longer applies the time limit), or a 6-tuple
+    ``-> (obs, env_state, reward, terminated, truncated, info)``. Every step is
+    :func:`coax_utils.envs.step_without_autoreset`, which tells these apart while tracing,
+    prefers ``step_env`` (no autoreset, so ``next_state`` is the real last observation of an
+    episode, as bootstrapping after a truncation needs), applies the env's time limit
+    (``max_steps_in_episode``) and reports truncation apart from termination. Gymnasium
+    environments run through :class:`coax_utils.envs.GymnasiumToJax`.
 
     Each ``next`` call takes one environment step and emits the transition
 
     .. code-block:: python
 
         {"state": obs, "action": a, "reward": r, "next_state": obs_next, "done": done,
-         "info": info}
+         "terminated": terminated, "truncated": truncated, "info": info}
 
-    plus ``"terminated"`` and ``"truncated"`` for 6-tuple environments (there
-    ``done = terminated | truncated``). The action comes from
+    with ``done = terminated | truncated``. The action comes from
     ``policy_step_fn(obs, policy_state, new_episode, key) -> (action, policy_state)``, where
     ``new_episode`` is True on an episode's first step. When an episode ends the
     environment is reset with ``env.reset``; after ``steps_per_epoch`` steps the epoch
     ends and a fresh episode starts. ``env.reset`` runs under :func:`jax.lax.cond`, only
     when needed, so host-backed environments see no extra resets. The mask of every item
     is a scalar ``True``.
-
-    When the environment has a ``step_env`` method with the same signature (gymnax's
-    ``Environment``, :class:`coax_utils.envs.GymnasiumToJax`), it is used instead of
-    ``step``: ``step_env`` does not reset a finished episode by itself, so ``next_state`` is
-    the real last observation of the episode (what bootstrapping after a truncation needs),
-    and the source does the one reset.
 
     Parameters
     ----------
@@ -99,7 +96,7 @@ class GymnaxSource:
     ------
     ValueError
         If ``steps_per_epoch`` is not positive, ``policy_state_template`` is None, or
-        the step function returns neither 5 nor 6 values.
+        the step cannot be read (see :func:`coax_utils.envs.step_without_autoreset`).
     TypeError
         If ``policy_step_fn`` is not callable.
 
@@ -122,7 +119,7 @@ class GymnaxSource:
     >>> state = state.replace(policy_state=jnp.int32(0))
     >>> for _ in range(4):
     ...     item, mask, state = source.next(state)
-    ...     print(int(item["state"]), int(item["next_state"]), bool(item["done"]))
+    ...     print(int(item["state"]), int(item["next_state"]), bool(item["terminated"]))
     0 1 False
     1 2 False
     2 3 True
@@ -150,26 +147,13 @@ class GymnaxSource:
         self._env = env
         self._env_params = env_params
         self._policy_step_fn = policy_step_fn
-        self._six_tuple = False
-        # step_env (no autoreset) keeps the true last observation of an episode.
-        self._step = getattr(env, "step_env", None) or env.step
 
-        def first_step(key: jax.Array, policy_state: PyTree) -> tuple[Any, ...]:
+        def first_step(key: jax.Array, policy_state: PyTree) -> dict:
             obs, env_state = env.reset(key, env_params)
             action, _ = policy_step_fn(obs, policy_state, jnp.ones([], jnp.bool_), key)
-            return obs, action, tuple(self._step(key, env_state, action, env_params))
+            return self._transition(obs, action, self._step(key, env_state, action))
 
-        key = jax.random.key(0)
-        num_outputs = len(jax.eval_shape(first_step, key, policy_state_template)[2])
-        if num_outputs not in (5, 6):
-            raise ValueError(
-                "env.step must return 5 values (obs, state, reward, done, info) or 6 values "
-                f"(obs, state, reward, terminated, truncated, info), got {num_outputs}"
-            )
-        self._six_tuple = num_outputs == 6
-        self._spec = jax.eval_shape(
-            lambda k, p: self._transition(*first_step(k, p)), key, policy_state_template
-        )
+        self._spec = jax.eval_shape(first_step, jax.random.key(0), policy_state_template)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -190,24 +174,24 @@ class GymnaxSource:
         """Pytree of :class:`jax.ShapeDtypeStruct` describing one transition dict."""
         return self._spec
 
-    def _transition(self, obs: PyTree, action: PyTree, step_out: tuple[Any, ...]) -> dict:
-        if self._six_tuple:
-            next_obs, _, reward, terminated, truncated, info = step_out
-            done = jnp.logical_or(terminated, truncated)
-        else:
-            next_obs, _, reward, done, info = step_out
-        transition = {
+    def _step(self, key: jax.Array, env_state: PyTree, action: PyTree) -> tuple:
+        return step_without_autoreset(self._env, key, env_state, action, self._env_params)
+
+    @staticmethod
+    def _transition(obs: PyTree, action: PyTree, step_out: tuple[Any, ...]) -> dict:
+        next_obs, _, reward, terminated, truncated, info = step_out
+        terminated = jnp.asarray(terminated, jnp.bool_)
+        truncated = jnp.asarray(truncated, jnp.bool_)
+        return {
             "state": obs,
             "action": action,
             "reward": reward,
             "next_state": next_obs,
-            "done": done,
+            "done": terminated | truncated,
+            "terminated": terminated,
+            "truncated": truncated,
             "info": info,
         }
-        if self._six_tuple:
-            transition["terminated"] = terminated
-            transition["truncated"] = truncated
-        return transition
 
     def init_state(self, key: jax.Array) -> GymnaxSourceState:
         """Reset the environment and return the state at the start of epoch 0.
@@ -263,7 +247,7 @@ class GymnaxSource:
         action, policy_state = self._policy_step_fn(
             state.obs, state.policy_state, state.new_episode, policy_key
         )
-        step_out = tuple(self._step(step_key, state.env_state, action, self._env_params))
+        step_out = self._step(step_key, state.env_state, action)
         transition = self._transition(state.obs, action, step_out)
         next_obs, next_env_state = step_out[0], step_out[1]
         done = jnp.reshape(jnp.asarray(transition["done"], jnp.bool_), ())
@@ -291,6 +275,5 @@ class GymnaxSource:
 
     def __repr__(self) -> str:
         return (
-            f"GymnaxSource(env={self._env!r}, steps_per_epoch={self._steps_per_epoch}, "
-            f"step_convention={'6-tuple' if self._six_tuple else '5-tuple'})"
+            f"GymnaxSource(env={self._env!r}, steps_per_epoch={self._steps_per_epoch})"
         )

@@ -19,22 +19,73 @@ __all__ = [
 ]
 
 
-def _check_params(sigma: Any, theta: Any, min_value: Any, max_value: Any) -> None:
-    """Validate concrete parameters (traced ones are left alone)."""
-    checks = {"sigma": sigma, "theta": theta}
-    for name, x in checks.items():
-        if isinstance(x, jax.core.Tracer):
+def _is_traced(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _concrete(x: Any) -> bool:
+    return x is not None and not _is_traced(x)
+
+
+def _as_float_array(name: str, x: Any) -> np.ndarray:
+    """``x`` as a float64 array; non-numeric values are refused with a TypeError."""
+    arr = np.asarray(x)
+    if arr.dtype == object or not (
+        np.issubdtype(arr.dtype, np.number) and not np.issubdtype(arr.dtype, np.complexfloating)
+    ):
+        raise TypeError(f"{name} must be a real number or array, got {x!r}")
+    return arr.astype(np.float64)
+
+
+def _check_params(
+    mu: Any, sigma: Any, theta: Any, min_value: Any, max_value: Any
+) -> tuple[int, ...]:
+    """Validate the concrete parameters (traced ones: their shapes only).
+
+    Returns the broadcast shape of the parameters.
+    """
+    params = (mu, sigma, theta, min_value, max_value)
+    shapes = [jnp.shape(x) if _is_traced(x) else np.shape(x) for x in params if x is not None]
+    for name, x, low in (("mu", mu, None), ("sigma", sigma, 0.0), ("theta", theta, 0.0)):
+        if not _concrete(x):
             continue
-        x = np.asarray(x, dtype=np.float64)
-        if not np.all(np.isfinite(x) & (x >= 0)):
-            raise ValueError(f"{name} must be finite and non-negative, got {x}")
-    if min_value is None or max_value is None:
-        return
-    if isinstance(min_value, jax.core.Tracer) or isinstance(max_value, jax.core.Tracer):
-        return
-    lo, hi = np.asarray(min_value, np.float64), np.asarray(max_value, np.float64)
-    if np.any(lo > hi):
-        raise ValueError(f"min_value must not exceed max_value, got {lo} > {hi}")
+        arr = _as_float_array(name, x)
+        if not np.all(np.isfinite(arr)):
+            raise ValueError(f"{name} must be finite, got {x!r}")
+        if low is not None and np.any(arr < low):
+            raise ValueError(f"{name} must be finite and non-negative, got {x!r}")
+    bounds = {}
+    for name, x in (("min_value", min_value), ("max_value", max_value)):
+        if not _concrete(x):
+            continue
+        arr = _as_float_array(name, x)
+        if np.any(np.isnan(arr)):
+            raise ValueError(f"{name} must not be NaN, got {x!r}")
+        bounds[name] = arr
+    if len(bounds) == 2 and np.any(bounds["min_value"] > bounds["max_value"]):
+        raise ValueError(
+            f"min_value must not exceed max_value, got {min_value!r} > {max_value!r}"
+        )
+    try:
+        return np.broadcast_shapes(*shapes)
+    except ValueError:
+        raise ValueError(
+            "mu, sigma, theta, min_value and max_value must broadcast with each other, got "
+            f"shapes {shapes}"
+        ) from None
+
+
+def _check_action_shape(action_shape: tuple[int, ...], param_shape: tuple[int, ...]) -> None:
+    """The parameters must broadcast to the action's shape without changing it."""
+    try:
+        ok = np.broadcast_shapes(action_shape, param_shape) == tuple(action_shape)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"the noise parameters (mu, sigma, theta, min_value, max_value) have the broadcast "
+            f"shape {param_shape}, which does not fit an action of shape {tuple(action_shape)}"
+        )
 
 
 class OrnsteinUhlenbeckNoise:
@@ -76,7 +127,11 @@ class OrnsteinUhlenbeckNoise:
     Raises
     ------
     ValueError
-        If ``sigma`` or ``theta`` is negative or not finite, or ``min_value > max_value``.
+        If ``mu`` is not finite, ``sigma`` or ``theta`` is negative or not finite,
+        ``min_value`` or ``max_value`` is NaN, ``min_value > max_value``, or the parameters
+        do not broadcast with each other.
+    TypeError
+        If a parameter is not a real number or array, or ``random_seed`` is not an int.
 
     Examples
     --------
@@ -97,7 +152,12 @@ class OrnsteinUhlenbeckNoise:
         max_value: Any = None,
         random_seed: int | None = None,
     ):
-        _check_params(sigma, theta, min_value, max_value)
+        self._param_shape = _check_params(mu, sigma, theta, min_value, max_value)
+        if random_seed is not None and (
+            isinstance(random_seed, (bool, np.bool_))
+            or not isinstance(random_seed, (int, np.integer))
+        ):
+            raise TypeError(f"random_seed must be an int or None, got {random_seed!r}")
         self.mu = mu
         self.sigma = sigma
         self.theta = theta
@@ -106,6 +166,72 @@ class OrnsteinUhlenbeckNoise:
         self.random_seed = random_seed
         self._rng = np.random.default_rng(random_seed)
         self.reset()
+
+    def __checkpoint_state__(self) -> dict[str, Any]:
+        """The state as plain data (parameters, random generator, running noise)."""
+        return {
+            "mu": self.mu,
+            "sigma": self.sigma,
+            "theta": self.theta,
+            "min_value": self.min_value,
+            "max_value": self.max_value,
+            "random_seed": self.random_seed,
+            "rng": self._rng,
+            "noise": self._noise,
+        }
+
+    @classmethod
+    def __checkpoint_restore__(cls, state: dict[str, Any]) -> OrnsteinUhlenbeckNoise:
+        """Rebuild from :meth:`__checkpoint_state__`, checking every field first.
+
+        Raises
+        ------
+        ValueError
+            For missing or extra keys, invalid parameters, or a running noise whose dtype
+            is not floating, whose shape does not fit the parameters, or whose values are
+            not finite.
+        TypeError
+            For a field of the wrong type.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"OrnsteinUhlenbeckNoise state must be a dict, got {type(state)}")
+        keys = {"mu", "sigma", "theta", "min_value", "max_value", "random_seed", "rng", "noise"}
+        if set(state) != keys:
+            raise ValueError(
+                f"OrnsteinUhlenbeckNoise state needs the keys {sorted(keys)}, got "
+                f"{sorted(map(str, state))}"
+            )
+        for name in ("mu", "sigma", "theta"):
+            if state[name] is None:
+                raise ValueError(f"OrnsteinUhlenbeckNoise state: {name} must not be None")
+        rng = state["rng"]
+        if not isinstance(rng, np.random.Generator):
+            raise TypeError(f"OrnsteinUhlenbeckNoise state: rng must be a Generator, got {rng!r}")
+        noise = state["noise"]
+        if noise is not None:
+            if not isinstance(noise, np.ndarray) or not np.issubdtype(noise.dtype, np.floating):
+                raise TypeError(
+                    f"OrnsteinUhlenbeckNoise state: noise must be None or a float ndarray, "
+                    f"got {noise!r}"
+                )
+            if not np.all(np.isfinite(noise)):
+                raise ValueError("OrnsteinUhlenbeckNoise state: noise must be finite")
+        obj = cls(
+            mu=state["mu"],
+            sigma=state["sigma"],
+            theta=state["theta"],
+            min_value=state["min_value"],
+            max_value=state["max_value"],
+            random_seed=state["random_seed"],
+        )
+        if noise is not None:
+            _check_action_shape(noise.shape, obj._param_shape)
+        obj._rng = rng
+        obj._noise = noise
+        return obj
+
+    def __reduce__(self) -> tuple:
+        return (type(self).__checkpoint_restore__, (self.__checkpoint_state__(),))
 
     def reset(self) -> None:
         r"""Reset the Ornstein-Uhlenbeck process: the next call starts again from
@@ -129,11 +255,20 @@ class OrnsteinUhlenbeckNoise:
         Raises
         ------
         ValueError
-            If the shape of ``a`` differs from the previous call's without a :meth:`reset`.
+            If the shape of ``a`` differs from the previous call's without a :meth:`reset`,
+            or the parameters do not broadcast to it. Nothing changes then (the running
+            noise and the random stream stay as they were).
+        TypeError
+            If ``a`` is not a real number or array.
         """
         a = np.asarray(a)
+        if a.dtype == object or not (
+            np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_
+        ) or np.issubdtype(a.dtype, np.complexfloating):
+            raise TypeError(f"the action must be a real number or array, got {a!r}")
         if not np.issubdtype(a.dtype, np.floating):
             a = a.astype(np.float64)
+        _check_action_shape(a.shape, self._param_shape)
         if self._noise is None:
             self._noise = np.broadcast_to(np.asarray(self.mu, a.dtype), a.shape).copy()
         elif self._noise.shape != a.shape:
@@ -201,8 +336,10 @@ def ou_noise_init(
     Raises
     ------
     ValueError
-        If ``sigma`` or ``theta`` is negative or not finite, or ``min_value > max_value``
-        (checked when the values are concrete).
+        If ``mu`` is not finite, ``sigma`` or ``theta`` is negative or not finite,
+        ``min_value`` or ``max_value`` is NaN, ``min_value > max_value`` (checked when the
+        values are concrete), or a parameter does not broadcast to the action's shape
+        (checked always: shapes are static).
 
     Examples
     --------
@@ -213,8 +350,8 @@ def ou_noise_init(
     >>> a.shape, bool(jnp.all(jnp.abs(a) <= 1.0))
     ((2,), True)
     """
-    _check_params(sigma, theta, min_value, max_value)
     shape = jnp.shape(action)
+    _check_action_shape(shape, _check_params(mu, sigma, theta, min_value, max_value))
     dtype = getattr(action, "dtype", None)
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
     if not jnp.issubdtype(dtype, jnp.floating):
@@ -261,8 +398,22 @@ def ou_noise_step(
         :math:`\widetilde{A}_t`, the dtype of the noise.
     noise_state : OUNoiseState
         The state holding :math:`X_t`.
+
+    Raises
+    ------
+    ValueError
+        While tracing, if ``action`` does not have the shape of ``noise_state.noise``
+        (no broadcasting), or a parameter of the state does not broadcast to it.
     """
     s = noise_state
+    shape = tuple(s.noise.shape)
+    if tuple(jnp.shape(action)) != shape:
+        raise ValueError(
+            f"action of shape {tuple(jnp.shape(action))} does not match the noise state's "
+            f"shape {shape}; make the state with ou_noise_init for actions of that shape"
+        )
+    for name in ("mu", "sigma", "theta", "min_value", "max_value"):
+        _check_action_shape(shape, tuple(jnp.shape(getattr(s, name))))
     eps = jax.random.normal(key, s.noise.shape, s.noise.dtype)
     noise = s.noise + s.theta * (s.mu - s.noise) + s.sigma * eps
     noisy = jnp.clip(jnp.asarray(action, s.noise.dtype) + noise, s.min_value, s.max_value)

@@ -105,6 +105,34 @@ def sum_tree_init(capacity: int, dtype: Any = jnp.float32) -> SumTreeState:
     return SumTreeState(nodes=jnp.zeros(2 * _num_leaves(capacity), dtype), capacity=capacity)
 
 
+def checked_indices(indices: Any, limit: int) -> tuple[jax.Array, jax.Array]:
+    """``indices`` (flattened) as int32 positions and a mask of those in ``[0, limit)``.
+
+    The dtype is known while tracing: anything but integers (floats, bools) raises a
+    TypeError there. The range is checked in the indices' own dtype (NumPy input on the
+    host, before any conversion), so an index such as ``2**32 + 1`` never wraps around to a
+    valid slot: it is masked out and its int32 position is -1.
+    """
+    if isinstance(indices, (jax.Array, jax.core.Tracer)):
+        x = indices
+    else:
+        x = np.asarray(indices)
+    if not (jnp.issubdtype(x.dtype, jnp.integer) and x.dtype != jnp.bool_):
+        raise TypeError(f"indices must be integers, got dtype {x.dtype}: {indices!r}")
+    if isinstance(x, np.ndarray):
+        x = x.reshape(-1)
+        valid = (x >= 0) & (x < limit)
+        return jnp.asarray(np.where(valid, x, -1).astype(np.int32)), jnp.asarray(valid)
+    x = x.reshape(-1)
+    valid = (x >= 0) & (x < limit)
+    return jnp.where(valid, x, -1).astype(jnp.int32), valid
+
+
+def value_cap(dtype: Any, num_leaves: int) -> float:
+    """The largest value a leaf may hold so that no partial sum of the tree overflows."""
+    return float(jnp.finfo(dtype).max) / (2 * num_leaves)
+
+
 def _last_write_mask(indices: jax.Array) -> jax.Array:
     """Boolean mask over ``indices`` (1-d) that is True where no later entry has the same index."""
     k = indices.shape[0]
@@ -127,9 +155,15 @@ def sum_tree_set(state: SumTreeState, indices: jax.Array, values: jax.Array) -> 
         donate_argnums=0)``).
     indices : int Array, shape ``(k,)``
         Positions in ``[0, capacity)``. Duplicates are allowed: the last write wins.
-        Out-of-range indices are ignored (nothing is written for them).
+        Out-of-range indices (``-1``, ``2**32 + 1``, ...) are ignored: nothing is written
+        for them, whatever their integer dtype. A non-integer dtype (e.g. float) raises a
+        TypeError while tracing.
     values : float Array, shape ``(k,)`` or scalar
-        New non-negative values (not checked: this function is traced).
+        New non-negative values. This function is traced, so it cannot raise on values;
+        instead a NaN, infinite or negative value is ignored like an out-of-range index
+        (nothing is written for it), and a finite value above ``finfo(dtype).max / (2 *
+        num_leaves)`` is clipped to that bound, so the total and every partial sum stay
+        finite.
 
     Returns
     -------
@@ -139,6 +173,11 @@ def sum_tree_set(state: SumTreeState, indices: jax.Array, values: jax.Array) -> 
 
     Notes
     -----
+    Inside :func:`jax.jit` the indices' range is checked in the dtype the traced array has.
+    ``jax.jit`` itself converts NumPy arguments first: without ``jax_enable_x64`` it turns
+    an int64 array into int32 at the call boundary (``2**32 + 1`` becomes ``1``) before
+    this function sees it, so pass 64-bit indices to an eager call, or enable x64.
+
     On CPU the writes run one after the other in a loop (a leaf, then its ancestors), which
     XLA compiles to tight in-place code; on accelerators all writes of a level run at once
     (scatters with a last-write-wins mask). Both give identical trees.
@@ -150,20 +189,23 @@ def sum_tree_set(state: SumTreeState, indices: jax.Array, values: jax.Array) -> 
     >>> sum_tree_values(state).tolist()
     [0.0, 2.0, 0.0]
     """
-    indices = jnp.asarray(indices).reshape(-1).astype(jnp.int32)
+    indices, valid = checked_indices(indices, state.capacity)
     values = jnp.broadcast_to(jnp.asarray(values, state.nodes.dtype).reshape(-1), indices.shape)
+    valid = valid & jnp.isfinite(values) & (values >= 0)
+    values = jnp.minimum(values, value_cap(state.nodes.dtype, state.num_leaves))
     if jax.default_backend() == "cpu":
-        return _set_sequential(state, indices, values)
-    return _set_vectorized(state, indices, values)
+        return _set_sequential(state, indices, values, valid)
+    return _set_vectorized(state, indices, values, valid)
 
 
-def _set_sequential(state: SumTreeState, indices: jax.Array, values: jax.Array) -> SumTreeState:
+def _set_sequential(
+    state: SumTreeState, indices: jax.Array, values: jax.Array, valid: jax.Array
+) -> SumTreeState:
     """One write at a time: set the leaf, then recompute its ancestors bottom-up."""
     n, capacity = state.num_leaves, state.capacity
 
-    def write(nodes: jax.Array, index_value: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
-        i, v = index_value
-        valid = (i >= 0) & (i < capacity)
+    def write(nodes: jax.Array, item: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
+        i, v, valid = item
         node = jnp.clip(i, 0, capacity - 1) + n
         v = jnp.where(valid, v, nodes[node])  # an ignored index rewrites the current value
         nodes = jax.lax.dynamic_update_slice(nodes, v[None], (node,))
@@ -178,14 +220,17 @@ def _set_sequential(state: SumTreeState, indices: jax.Array, values: jax.Array) 
         nodes, _ = jax.lax.fori_loop(0, state.height, up, (nodes, node))
         return nodes, None
 
-    nodes, _ = jax.lax.scan(write, state.nodes, (indices, values))
+    nodes, _ = jax.lax.scan(write, state.nodes, (indices, values, valid))
     return state.replace(nodes=nodes)
 
 
-def _set_vectorized(state: SumTreeState, indices: jax.Array, values: jax.Array) -> SumTreeState:
+def _set_vectorized(
+    state: SumTreeState, indices: jax.Array, values: jax.Array, valid: jax.Array
+) -> SumTreeState:
     """All writes of one level at once: a leaf scatter, then one scatter per level."""
     n = state.num_leaves
-    valid = (indices >= 0) & (indices < state.capacity) & _last_write_mask(indices)
+    # the last write of each index wins, among the valid writes only
+    valid = valid & _last_write_mask(jnp.where(valid, indices, -1 - jnp.arange(indices.size)))
     # invalid or overwritten entries are sent out of bounds and dropped by the scatter
     leaf = jnp.where(valid, indices + n, 2 * n)
     nodes = state.nodes.at[leaf].set(values, mode="drop")
@@ -283,7 +328,7 @@ def sum_tree_inverse_cdf(state: SumTreeState, u: Any) -> jax.Array:
         The tree; its total must be positive (not checked: this function is traced; an
         all-zero tree returns index 0).
     u : float or float Array
-        Numbers in ``[0, 1]`` (clipped to it), any shape.
+        Numbers in ``[0, 1]`` (clipped to it; NaN counts as 0), any shape.
 
     Returns
     -------
@@ -297,7 +342,7 @@ def sum_tree_inverse_cdf(state: SumTreeState, u: Any) -> jax.Array:
     [0, 0, 2, 2]
     """
     nodes = state.nodes
-    u = jnp.clip(jnp.asarray(u, nodes.dtype), 0, 1)
+    u = jnp.clip(jnp.nan_to_num(jnp.asarray(u, nodes.dtype), nan=0.0), 0, 1)
     shape = u.shape
     target = u.reshape(-1) * nodes[1]
     children = nodes.reshape(-1, 2)  # row k holds the two children of node k
@@ -306,7 +351,7 @@ def sum_tree_inverse_cdf(state: SumTreeState, u: Any) -> jax.Array:
         node, target = carry
         pair = children[node]
         left, right = pair[:, 0], pair[:, 1]
-        go_right = (target >= left) & (right > 0)
+        go_right = (right > 0) & ((target >= left) | (left <= 0))
         return 2 * node + go_right, jnp.where(go_right, target - left, target)
 
     node = jnp.ones(target.shape, jnp.int32)

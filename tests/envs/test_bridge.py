@@ -361,3 +361,28 @@ def test_observations_that_do_not_fit_the_space_raise_clearly():
         jax.block_until_ready(GymnasiumToJax(WrongShape(), seed=0).reset(jax.random.key(0)))
     with pytest.raises(Exception, match="does not have the structure of its observation space"):
         jax.block_until_ready(GymnasiumToJax(WrongStructure(), seed=0).reset(jax.random.key(0)))
+
+
+def test_a_float_seed_is_refused():
+    with pytest.raises(TypeError, match="3.0"):
+        GymnasiumToJax(gymnasium.make("CartPole-v1"), seed=3.0)
+
+
+def test_a_float_action_for_a_discrete_space_is_refused():
+    benv = GymnasiumToJax(gymnasium.make("CartPole-v1"), seed=0)
+    _, state = benv.reset(jax.random.key(0))
+    with pytest.raises(TypeError, match="float32"):
+        benv.step(None, state, jnp.float32(0.9))
+
+
+def test_an_out_of_range_action_raises_the_bridge_error_and_steps_nothing():
+    benv = GymnasiumToJax(gymnasium.make("CartPole-v1"), seed=0)
+    oracle = gymnasium.make("CartPole-v1")
+    oracle.reset(seed=0)
+    _, state = benv.reset(jax.random.key(0))
+    step = jax.jit(benv.step)
+    with pytest.raises(Exception, match="not an element of the action space") as info:
+        jax.block_until_ready(step(None, state, jnp.int32(5)))
+    assert "AssertionError" not in str(info.value)
+    obs, *_ = step(None, state, jnp.int32(1))  # the refused call changed nothing
+    np.testing.assert_array_equal(obs, oracle.step(1)[0])

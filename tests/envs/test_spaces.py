@@ -269,3 +269,52 @@ def test_equality_is_exact_and_static_arguments_work():
     sample = jax.jit(lambda space, key: space.sample(key), static_argnums=0)
     x = sample(envs.MultiDiscrete([3, 4]), jax.random.key(0))
     assert x.shape == (2,)
+
+
+# -- bad input is refused, never silently changed ------------------------------------------
+
+
+def test_box_with_a_nan_bound_is_refused():
+    with pytest.raises(ValueError, match="nan"):
+        envs.Box(np.nan, 1.0)
+
+
+def test_box_bound_beyond_its_dtype_is_refused():
+    with pytest.raises(ValueError, match="300"):
+        envs.Box(0, 300, (2,), np.uint8)
+
+
+def test_int64_box_to_2_pow_40_accepts_its_own_samples():
+    with jax.enable_x64(True):
+        box = envs.Box(0, 2**40, (5,), np.int64)
+        x = box.sample(jax.random.key(0))
+        assert bool(box.contains(x)) and int(x.max()) > 2**31
+    box = envs.Box(0, 2**40, (5,), np.int64)
+    assert bool(box.contains(np.array([0, 1, 2**31 - 1, 7, 9], np.int32)))
+    with pytest.raises(ValueError, match="jax_enable_x64"):  # x64 off: cannot sample it
+        box.sample(jax.random.key(0))
+
+
+def test_multidiscrete_with_a_large_start_samples_correctly_or_refuses():
+    space = envs.MultiDiscrete([3], start=[2**40])
+    with jax.enable_x64(True):
+        x = np.asarray(space.sample(jax.random.key(0)))
+        assert 2**40 <= int(x[0]) < 2**40 + 3
+    with pytest.raises(ValueError, match="1099511627776"):
+        space.sample(jax.random.key(0))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: envs.Discrete(True),
+        lambda: envs.Discrete(3, start=1.0),
+        lambda: envs.MultiBinary(True),
+        lambda: envs.MultiBinary((2, True)),
+        lambda: envs.MultiDiscrete([2.0, 3.0]),
+        lambda: envs.MultiDiscrete([2, 3], start=[0.5, 0]),
+    ],
+)
+def test_bools_and_floats_as_sizes_are_refused(make):
+    with pytest.raises(TypeError, match="True|2.0|1.0|0.5"):
+        make()

@@ -225,11 +225,12 @@ def test_looped_tree_traversals_match_the_functional_sum_tree():
         want = ref_set(tree, jnp.where(ok, idx, capacity), val)  # out of range: ignored
         np.testing.assert_array_equal(got.nodes, want.nodes)
         u = jnp.asarray(np.r_[rng.uniform(size=16), 0.0, 1.0], jnp.float32)
-        i, prob = inv(got, u)
+        i, value = inv(got, u)
         np.testing.assert_array_equal(i, ref_inv(got, u))
         values = np.asarray(got.nodes[got.num_leaves :][:capacity])
         if values.sum() > 0:  # an all-zero tree has no distribution (documented precondition)
-            np.testing.assert_allclose(prob, values[np.asarray(i)] / values.sum(), rtol=1e-5)
+            np.testing.assert_array_equal(value, values[np.asarray(i)])
+            assert np.all(np.asarray(value) > 0)
 
     check()
 
@@ -246,3 +247,42 @@ def test_row_loop_and_gather_paths_agree(monkeypatch):
     for a, b in zip(jax.tree_util.tree_leaves(looped), jax.tree_util.tree_leaves(gathered)):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(np.asarray(looped["obs"])[:, 0], np.asarray(looped["t"]))
+
+
+# -- bad indices and priorities never corrupt the buffer -----------------------------------
+
+
+def _filled(capacity=8, n=4):
+    buffer = make_prioritized_buffer(capacity, alpha=1.0, beta=1.0)
+    return buffer, buffer.add(buffer.init(jnp.zeros(2)), jnp.ones((n, 2)))
+
+
+def test_update_refuses_float_indices_at_trace_time():
+    buffer, state = _filled()
+    with pytest.raises(TypeError, match="float32"):
+        jax.jit(buffer.update)(state, jnp.array([1.7]), jnp.array([1.0]))
+
+
+def test_update_ignores_indices_beyond_int32():
+    buffer, state = _filled()
+    out = buffer.update(state, np.array([2**32 + 1], np.int64), np.array([7.0]))
+    np.testing.assert_array_equal(out.tree.nodes, state.tree.nodes)
+
+
+def test_huge_priorities_never_give_nan_weights():
+    buffer, state = _filled()
+    state = buffer.update(state, jnp.array([0, 1]), jnp.array([3e38, 3e38], jnp.float32))
+    sample = buffer.sample(state, jax.random.key(0), 64)
+    assert np.all(np.isfinite(np.asarray(sample.weights)))
+    assert np.isfinite(float(state.tree.nodes[1]))
+
+
+def test_nan_priorities_and_beta_never_give_nan_weights():
+    buffer, state = _filled()
+    state = buffer.update(state, jnp.array([0, 1]), jnp.array([np.nan, 1e-30], jnp.float32))
+    weights = jax.jit(buffer.sample, static_argnums=2)(state, jax.random.key(1), 64, jnp.nan)
+    assert np.all(np.isfinite(np.asarray(weights.weights)))
+    with pytest.raises(ValueError, match="nan"):
+        buffer.sample(state, jax.random.key(1), 4, float("nan"))
+    empty = buffer.init(jnp.zeros(2))
+    assert np.asarray(buffer.sample(empty, jax.random.key(0), 3).weights).tolist() == [1.0] * 3

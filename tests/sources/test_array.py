@@ -147,3 +147,26 @@ def test_bad_data_raises(data, match):
 def test_unknown_ordering_raises():
     with pytest.raises(ValueError, match="'random'"):
         ArraySource(jnp.arange(3), ordering="random")
+
+
+def test_int64_data_beyond_int32_is_refused_without_x64():
+    with pytest.raises(ValueError, match="1099511627776"):
+        ArraySource(np.array([2**40, 1, 5], np.int64))
+
+
+def test_int64_data_is_kept_exact_with_x64():
+    with jax.enable_x64(True):
+        source = ArraySource(np.array([2**40, 1, 5], np.int64), ordering="sequential")
+        state = source.init_state(jax.random.key(0))
+        value, _, _ = source.next(state)
+        assert int(value) == 2**40
+
+
+def test_next_refuses_another_sources_state():
+    a, b = ArraySource(np.arange(3)), ArraySource(np.arange(5))
+    with pytest.raises(ValueError, match="another source"):
+        a.next(b.init_state(jax.random.key(0)))
+    with pytest.raises(ValueError, match="another source"):
+        jax.jit(a.next)(b.init_state(jax.random.key(0)))
+    with pytest.raises(TypeError, match="ArraySourceState"):
+        a.next({"order": jnp.arange(3)})

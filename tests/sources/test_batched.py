@@ -195,3 +195,8 @@ def test_no_retrace_on_second_call(plain):
 def test_bad_arguments(args, error, match):
     with pytest.raises(error, match=match):
         BatchedSource(*args)
+
+
+def test_drop_last_must_be_a_bool():
+    with pytest.raises(TypeError, match="'no'"):
+        BatchedSource(ArraySource(jnp.arange(5)), 2, drop_last="no")

@@ -199,3 +199,20 @@ def test_bad_arguments(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         DiskSource(**args)
+
+
+def test_int64_samples_beyond_int32_raise_under_jit_instead_of_wrapping():
+    data = np.array([2**40, 1, 5], np.int64)
+    source = DiskSource(3, lambda i: data[i], ordering="sequential")
+    with pytest.raises(Exception, match="1099511627776"):
+        jax.block_until_ready(jax.jit(source.next)(source.init_state(jax.random.key(0))))
+
+
+def test_next_refuses_another_sources_state():
+    a = DiskSource(3, lambda i: np.float32(i))
+    b = DiskSource(5, lambda i: np.float32(i))
+    c = DiskSource(3, lambda i: np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="another source"):
+        jax.jit(a.next)(b.init_state(jax.random.key(0)))
+    with pytest.raises(ValueError, match="another source"):
+        jax.jit(a.next)(c.init_state(jax.random.key(0)))

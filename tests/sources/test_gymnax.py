@@ -1,4 +1,9 @@
-"""GymnaxSource with a small JAX environment written here (both step conventions)."""
+"""GymnaxSource on the real gymnax envs, and on a small env written here for the old API.
+
+No installed gymnax release has the pre-1.0 step (a 5-tuple with the time limit folded
+into ``done``), so ``Chain(new_api=False)`` below stands in for it; ``Chain(new_api=True)``
+is a 6-tuple env without ``step_env``.
+"""
 
 import chex
 import gymnasium
@@ -81,11 +86,12 @@ def test_transitions_are_consistent(new_api):
     assert bool(np.all(masks)) and masks.shape == (steps,)
     assert np.all(epochs == 0)
     done = items["done"]
+    assert np.array_equal(done, items["terminated"] | items["truncated"])
+    assert items["terminated"].any()
     if new_api:
-        assert np.array_equal(done, items["terminated"] | items["truncated"])
-        assert items["terminated"].any() and items["truncated"].any()
-    else:
-        assert "terminated" not in items and "truncated" not in items
+        assert items["truncated"].any()
+    else:  # a 5-tuple without a time limit to read: done is termination
+        assert not items["truncated"].any()
     assert done.any() and not done.all()
     # Within an episode, next_state of one step is the state of the following step.
     cont = ~done[:-1]
@@ -111,9 +117,8 @@ def test_element_spec_matches_emitted_items(new_api):
     state = source.init_state(jax.random.key(1)).replace(policy_state=TEMPLATE)
     item, mask, _ = jax.jit(source.next)(state)
     spec = source.element_spec()
-    expected = {"state", "action", "reward", "next_state", "done", "info"}
-    if new_api:
-        expected |= {"terminated", "truncated"}
+    expected = {"state", "action", "reward", "next_state", "done", "terminated", "truncated"}
+    expected.add("info")
     assert set(item) == expected
     chex.assert_trees_all_equal_shapes_and_dtypes(
         item, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
@@ -259,3 +264,61 @@ def test_gymnasium_cartpole_through_the_bridge():
         assert items["terminated"][t] == terminated and items["truncated"][t] == truncated
         if terminated or truncated or (t + 1) % steps_per_epoch == 0:
             obs, _ = oracle.reset()
+
+
+# -- the real gymnax ----------------------------------------------------------------------
+
+
+def _random_source(name, steps_per_epoch=1000):
+    import gymnax
+
+    env, params = gymnax.make(name)
+    space = env.action_space(params)
+
+    def act(obs, count, new_episode, key):
+        return space.sample(key), count + 1
+
+    return GymnaxSource(env, params, act, jnp.int32(0), steps_per_epoch=steps_per_epoch), params
+
+
+def _roll(source, steps, seed=0):
+    state = source.init_state(jax.random.key(seed)).replace(policy_state=jnp.int32(0))
+
+    def body(state, _):
+        item, _, state = source.next(state)
+        return state, (item, state.env_state)
+
+    _, (items, env_states) = jax.jit(lambda s: jax.lax.scan(body, s, None, length=steps))(state)
+    return jax.tree_util.tree_map(np.asarray, items), env_states
+
+
+@pytest.mark.parametrize("name", ["Pendulum-v1", "MountainCar-v0"])
+def test_real_gymnax_time_limit_truncates(name):
+    # gymnax >= 1.0's step_env has no time limit: the source must apply max_steps_in_episode
+    source, params = _random_source(name)
+    limit = int(params.max_steps_in_episode)
+    items, _ = _roll(source, 2 * limit + 5)
+    ends = np.flatnonzero(items["truncated"]).tolist()
+    assert ends == [limit - 1, 2 * limit - 1]
+    assert not items["terminated"].any()  # random play never reaches the goal / Pendulum never ends
+    np.testing.assert_array_equal(items["done"], items["truncated"])
+
+
+def test_real_gymnax_cartpole_keeps_the_terminal_next_state():
+    source, params = _random_source("CartPole-v1")
+    items, _ = _roll(source, 300)
+    term = items["terminated"]
+    assert term.sum() >= 5 and not items["truncated"].any()
+    # the terminal next_state is the state that ended the episode (pole fallen or cart out),
+    # not the first observation of the next episode
+    last = items["next_state"][term]
+    fallen = (np.abs(last[:, 2]) > params.theta_threshold_radians) | (
+        np.abs(last[:, 0]) > params.x_threshold
+    )
+    assert fallen.all()
+    # and the episode after it starts from a reset state
+    starts = items["state"][1:][term[:-1]]
+    assert np.all(np.abs(starts) <= 0.05)
+    # within an episode, next_state is the next step's state
+    cont = ~items["done"][:-1]
+    np.testing.assert_array_equal(items["next_state"][:-1][cont], items["state"][1:][cont])

@@ -1,5 +1,8 @@
 """Tests of the Ornstein-Uhlenbeck noise: host object and pure jittable form."""
 
+import copy
+import pickle
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -145,3 +148,69 @@ def test_pure_keeps_dtype():
     state = ou_noise_init(jnp.zeros(2, jnp.bfloat16))
     noisy, state = ou_noise_step(jax.random.key(0), jnp.zeros(2, jnp.bfloat16), state)
     assert noisy.dtype == jnp.bfloat16 and state.noise.dtype == jnp.bfloat16
+
+
+# -- bad input is refused before anything changes ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(mu=np.nan), "mu.*nan"), (dict(mu=np.inf), "mu.*inf"), (dict(min_value=np.nan), "nan")],
+)
+def test_non_finite_mean_and_nan_bounds_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OrnsteinUhlenbeckNoise(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        ou_noise_init(jnp.zeros(2), **kwargs)
+
+
+def test_sigma_shape_mismatch_raises_before_storing_noise_or_drawing():
+    noise = OrnsteinUhlenbeckNoise(sigma=np.ones(3), random_seed=0)
+    before = noise._rng.bit_generator.state
+    with pytest.raises(ValueError, match=r"\(3,\).*\(2,\)"):
+        noise(np.zeros(2))
+    assert noise._noise is None and noise._rng.bit_generator.state == before
+    assert noise(np.zeros(3)).shape == (3,)
+
+
+def test_jitted_ou_noise_step_refuses_another_shape_at_trace_time():
+    state = ou_noise_init(jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"\(2,\).*\(3,\)"):
+        jax.jit(ou_noise_step)(jax.random.key(0), jnp.zeros(2), state)
+    with pytest.raises(ValueError, match=r"\(2, 3\)"):
+        jax.jit(ou_noise_step)(jax.random.key(0), jnp.zeros((2, 3)), state)
+
+
+def test_checkpoint_round_trip_continues_the_same_stream():
+    noise = OrnsteinUhlenbeckNoise(mu=0.5, sigma=np.full(2, 0.3), min_value=-1, random_seed=3)
+    noise(np.zeros(2))
+    # the loader hands restore fresh objects: a deep copy of the state stands for that
+    state = copy.deepcopy(noise.__checkpoint_state__())
+    direct = OrnsteinUhlenbeckNoise.__checkpoint_restore__(state)
+    pickled = pickle.loads(pickle.dumps(noise))
+    expected = noise(np.zeros(2))
+    np.testing.assert_array_equal(direct(np.zeros(2)), expected)
+    np.testing.assert_array_equal(pickled(np.zeros(2)), expected)
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (lambda s: s.pop("rng"), ValueError),
+        (lambda s: s.update(extra=1), ValueError),
+        (lambda s: s.update(mu=np.nan), ValueError),
+        (lambda s: s.update(sigma=-1.0), ValueError),
+        (lambda s: s.update(rng=7), TypeError),
+        (lambda s: s.update(noise=np.zeros(3)), ValueError),  # sigma has shape (2,)
+        (lambda s: s.update(noise=np.array([np.nan, 0.0])), ValueError),
+        (lambda s: s.update(noise=np.zeros(2, np.int64)), TypeError),
+        (lambda s: s.update(random_seed=1.5), TypeError),
+    ],
+)
+def test_checkpoint_restore_checks_every_field(change, error):
+    noise = OrnsteinUhlenbeckNoise(sigma=np.full(2, 0.3), random_seed=3)
+    noise(np.zeros(2))
+    state = noise.__checkpoint_state__()
+    change(state)
+    with pytest.raises(error):
+        OrnsteinUhlenbeckNoise.__checkpoint_restore__(state)

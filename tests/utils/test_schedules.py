@@ -129,3 +129,55 @@ def test_repr_and_steps():
     f = StepwiseLinearFunction((0, 1), (10, 0))
     assert f.steps == ((0, 1.0), (10, 0.0))
     assert "StepwiseLinearFunction" in repr(f)
+
+
+# -- exact for integer steps; NaN refused --------------------------------------------------
+
+
+def test_integer_steps_near_1e9_are_exact_under_jit():
+    f = StepwiseLinearFunction((10**9, 0.0), (10**9 + 10, 5.0))
+    assert float(jax.jit(f)(jnp.int32(10**9 + 5))) == 2.5
+    assert float(f(jnp.int32(10**9 + 4))) == 2.0
+    assert f(np.array([10**9 + 5], np.int64)).tolist() == [2.5]
+
+
+def test_int64_steps_are_exact():
+    f = StepwiseLinearFunction((2**50, 0.0), (2**50 + 4, 1.0))
+    assert f(np.array([2**50 + 1, 2**50 + 3], np.int64)).tolist() == [0.25, 0.75]
+    assert f(2**50 + 2) == 0.5
+    with jax.enable_x64(True):
+        assert float(jax.jit(f)(jnp.int64(2**50 + 1))) == 0.25
+
+
+def test_int32_steps_against_breakpoints_beyond_int32():
+    f = StepwiseLinearFunction((0.5, 1.0), (2**40, 2.0))
+    t = np.array([-(2**31), 0, 1, 2**31 - 1], np.int64)
+    expected = [f(int(x)) for x in t]
+    np.testing.assert_allclose(f(jnp.asarray(t, jnp.int32)), expected, rtol=1e-7)
+
+
+def test_nan_step_is_refused():
+    f = StepwiseLinearFunction((0, 1.0), (10, 0.0))
+    with pytest.raises(ValueError, match="nan"):
+        f(float("nan"))
+    with pytest.raises(ValueError, match="nan"):
+        f(np.array([1.0, np.nan]))
+
+
+def test_checkpoint_round_trip_and_validation():
+    import pickle
+
+    f = StepwiseLinearFunction((0, 1.0), (100, 0.1))
+    for g in (StepwiseLinearFunction.__checkpoint_restore__(f.__checkpoint_state__()),
+              pickle.loads(pickle.dumps(f))):
+        assert g.steps == f.steps and g(50) == f(50)
+    for bad, error in [
+        ({"steps": [[0, 1.0], [0, 2.0]]}, ValueError),
+        ({"steps": [[0, float("nan")]]}, ValueError),
+        ({"steps": []}, ValueError),
+        ({"steps": [[0, 1.0]], "extra": 1}, ValueError),
+        ({"steps": "x"}, TypeError),
+        ({"steps": [["a", 1.0]]}, TypeError),
+    ]:
+        with pytest.raises(error):
+            StepwiseLinearFunction.__checkpoint_restore__(bad)

@@ -92,7 +92,7 @@ def test_set_reduce_match_naive_oracle(capacity, data):
             ref[i] = v
         state = _set(state, jnp.asarray(idx), jnp.asarray(vals))
         state_vectorized = _set_vectorized(
-            state_vectorized, jnp.asarray(idx, jnp.int32), jnp.asarray(vals)
+            state_vectorized, jnp.asarray(idx, jnp.int32), jnp.asarray(vals), jnp.asarray(idx >= 0)
         )
         np.testing.assert_array_equal(np.asarray(state_vectorized.nodes), np.asarray(state.nodes))
         np.testing.assert_array_equal(np.asarray(sum_tree_values(state)), ref)
@@ -299,3 +299,34 @@ def test_last_write_mask_marks_the_last_occurrence(indices):
     mask = np.asarray(_segment_tree_fn._last_write_mask(jnp.asarray(indices, jnp.int32)))
     expected = [i not in indices[p + 1 :] for p, i in enumerate(indices)]
     np.testing.assert_array_equal(mask, np.array(expected, bool))
+
+
+# -- bad indices and values never corrupt the tree -----------------------------------------
+
+
+def test_float_indices_are_refused_at_trace_time():
+    state = sum_tree_init(4)
+    with pytest.raises(TypeError, match="float32"):
+        jax.jit(sum_tree_set)(state, jnp.array([1.7]), jnp.array([1.0]))
+
+
+def test_indices_beyond_int32_never_write_a_slot():
+    state = sum_tree_init(4)
+    out = sum_tree_set(state, np.array([2**32 + 1, -1, 4], np.int64), np.array([5.0, 6.0, 7.0]))
+    assert sum_tree_values(out).tolist() == [0.0] * 4
+
+
+def test_nan_and_huge_values_keep_the_total_finite():
+    state = sum_tree_set(sum_tree_init(4), jnp.arange(4), jnp.array([1.0, 2.0, 3.0, 4.0]))
+    out = sum_tree_set(state, jnp.array([0, 1, 2]), jnp.array([np.nan, 3e38, -1.0]))
+    assert np.isfinite(float(sum_tree_total(out)))
+    values = np.asarray(sum_tree_values(out))
+    assert values[0] == 1.0 and values[2] == 3.0  # NaN and negative writes are ignored
+    assert 0 < values[1] < 3e38
+
+
+def test_inverse_cdf_never_returns_a_zero_slot():
+    state = sum_tree_set(sum_tree_init(4), jnp.arange(4), jnp.array([0.0, 1.0, 0.0, 0.0]))
+    state = sum_tree_set(state, jnp.array([2]), jnp.array([np.nan]))
+    u = jnp.array([0.0, 0.3, 1.0, np.nan])
+    assert sum_tree_inverse_cdf(state, u).tolist() == [1, 1, 1, 1]

@@ -1,0 +1,108 @@
+"""The bridges against the real gymnax classic-control envs."""
+
+import warnings
+
+import gymnasium
+import gymnax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from coax_utils.envs import GymnasiumToJax, JaxToGymnasium, step_without_autoreset
+
+CLASSIC = ["CartPole-v1", "Acrobot-v1", "MountainCar-v0", "Pendulum-v1"]
+# gymnasium's advice for Pendulum's [-2, 2] action box, not an error of the bridge
+ALLOWED = ("we recommend using a symmetric and normalized space",)
+
+
+@pytest.mark.parametrize("name", CLASSIC)
+def test_jax_to_gymnasium_passes_check_env_on_real_gymnax(name):
+    env = JaxToGymnasium(*gymnax.make(name))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_env(env, skip_render_check=True)
+    unexpected = [str(w.message) for w in caught if not any(a in str(w.message) for a in ALLOWED)]
+    assert not unexpected, unexpected
+
+
+@pytest.mark.parametrize("name", ["Pendulum-v1", "MountainCar-v0"])
+def test_jax_to_gymnasium_truncates_at_the_time_limit(name):
+    genv, params = gymnax.make(name)
+    env = JaxToGymnasium(genv, params, seed=0)
+    env.reset()
+    action = env.action_space.sample() * 0  # never reaches MountainCar's goal
+    for t in range(1, params.max_steps_in_episode + 1):
+        _, _, terminated, truncated, _ = env.step(action)
+        assert not terminated
+        assert truncated == (t == params.max_steps_in_episode), t
+
+
+def test_jax_to_gymnasium_keeps_the_real_terminal_observation_of_cartpole():
+    genv, params = gymnax.make("CartPole-v1")
+    env = JaxToGymnasium(genv, params, seed=1)
+    env.reset()
+    for _ in range(500):
+        obs, _, terminated, truncated, _ = env.step(1)
+        if terminated or truncated:
+            break
+    assert terminated and not truncated
+    assert abs(obs[2]) > params.theta_threshold_radians  # the pole fell: not a reset obs
+
+
+def test_step_without_autoreset_reads_the_old_discrete_attribute():
+    # gymnax releases before 0.0.6 named Discrete's size num_categories; no installed
+    # release has it, so this small space stands in for one
+    class OldDiscrete:
+        num_categories, shape, dtype = 3, (), jnp.int32
+
+    from coax_utils.envs import to_gymnasium_space
+
+    assert to_gymnasium_space(OldDiscrete()) == gymnasium.spaces.Discrete(3, dtype=np.int32)
+    assert to_gymnasium_space(gymnax.make("Acrobot-v1")[0].action_space(None)).n == 3
+
+
+def _synced(name, state, gym_env):
+    """The gymnax ``state`` set to the gymnasium env's current physical state."""
+    u = gym_env.unwrapped
+    if name == "CartPole-v1":
+        x, x_dot, theta, theta_dot = np.asarray(u.state, np.float32)
+        state = state.replace(x=x, x_dot=x_dot, theta=theta, theta_dot=theta_dot)
+    else:
+        theta, theta_dot = np.asarray(u.state, np.float32)
+        state = state.replace(theta=theta, theta_dot=theta_dot)
+    return state
+
+
+@pytest.mark.parametrize("name", ["CartPole-v1", "Pendulum-v1"])
+def test_gymnasium_bridge_matches_the_gymnax_twin_step_by_step(name):
+    gym_env = gymnasium.make(name)
+    benv = GymnasiumToJax(gym_env, seed=5)
+    rng = np.random.default_rng(0)
+    space = benv.action_space(None)
+    steps = 200
+    if name == "CartPole-v1":
+        actions = jnp.asarray(rng.integers(0, 2, steps), jnp.int32)
+    else:
+        actions = jnp.asarray(rng.uniform(-2, 2, (steps, 1)), jnp.float32)
+    assert bool(jax.vmap(space.contains)(actions).all())
+    _, bstate = benv.reset(jax.random.key(0))
+    genv, params = gymnax.make(name)
+    _, gstate = genv.reset(jax.random.key(0), params)
+    gstep = jax.jit(lambda s, a: step_without_autoreset(genv, jax.random.key(0), s, a, params))
+    bstep = jax.jit(benv.step_env)
+    compared = 0
+    for t, a in enumerate(actions):
+        # step by step: both start each step from the same (float32) state, as gymnax's own
+        # tests/classic_control/test_gym_env.py does; the step count carries on
+        gstate = _synced(name, gstate, gym_env).replace(time=jnp.int32(t))
+        g_obs, gstate, g_rew, g_term, g_trunc, _ = gstep(gstate, a)
+        b_obs, bstate, b_rew, b_term, b_trunc, _ = bstep(None, bstate, a)
+        np.testing.assert_allclose(b_obs, g_obs, rtol=0, atol=5e-7)
+        np.testing.assert_allclose(b_rew, g_rew, rtol=0, atol=3e-6)
+        assert bool(b_term) == bool(g_term) and bool(b_trunc) == bool(g_trunc)
+        compared += 1
+        if b_term or b_trunc:
+            break
+    assert compared >= 10
