@@ -313,7 +313,12 @@ def test_mutating_the_state_after_save_does_not_change_the_checkpoint(tmp_path):
         "slow": SlowToPickle(0.5),  # first in the dict: the arrays are pickled after 0.5 s
         "arr": shared,
         "alias": shared,
-        "params": {"w": donated, "key": jax.random.key(3)},
+        "params": {
+            "w": donated,
+            "key": jax.random.key(3),
+            "half": jnp.full(3, 1.5, jnp.bfloat16),
+            "weak": jnp.asarray(2.0),  # weakly typed
+        },
         "buffer": buffer,
         "tracer": tracer,
         "returns": [1.0, 2.0],
@@ -337,6 +342,8 @@ def test_mutating_the_state_after_save_does_not_change_the_checkpoint(tmp_path):
     assert jax.random.key_data(loaded["params"]["key"]).tolist() == (
         jax.random.key_data(jax.random.key(3)).tolist()
     )
+    assert loaded["params"]["half"].dtype == jnp.bfloat16
+    assert loaded["params"]["weak"].weak_type and float(loaded["params"]["weak"]) == 2.0
     assert loaded["returns"] == [1.0, 2.0]
     assert len(loaded["buffer"]) == 3 and len(buffer) == 6
     assert not loaded["tracer"]
