@@ -376,10 +376,8 @@ def test_background_error_surfaces_in_wait_save_and_close(tmp_path):
 
 def test_save_waits_for_the_previous_one(tmp_path):
     with utils.CheckpointManager(tmp_path) as m:
-        t0 = time.perf_counter()
         m.save(1, {"slow": SlowToPickle(0.4)})
-        assert time.perf_counter() - t0 < 0.3  # returned before the pickling finished
-        assert m.latest_step() is None  # not complete yet
+        assert m.latest_step() is None  # returned while the pickling (0.4 s) still runs
         m.save(2, {"x": 2})  # waits for step 1: one writer at a time
         assert m.all_steps() in ([1], [1, 2])
         m.wait()
