@@ -7,12 +7,16 @@ What it shows, in order:
 2. n-step tracing (``replay.NStep``) into a ``replay.PrioritizedReplayBuffer``, with the
    importance weights in the loss and the TD errors fed back as priorities;
 3. a picklable jitted update (``utils.jit``);
-4. a checkpoint of the whole agent (params, target params, optimizer state, replay buffer,
-   tracer, step counter, RNG key) written with ``utils.dump``, then a resume from that
-   checkpoint, exactly as a restarted process would do it;
+4. checkpoints of the whole agent (params, target params, optimizer state, replay buffer,
+   tracer, step counter, RNG key) saved every ``save_every`` steps by a
+   ``utils.CheckpointManager`` in the background while training goes on (the newest three
+   and the best by training return are kept), then a resume from ``manager.restore()``,
+   exactly as a restarted process would do it (``--resume`` continues an earlier run from
+   its newest checkpoint);
 5. an evaluation over 10 greedy episodes, and an episode GIF made with ``utils.generate_gif``.
 
-Outputs land in ``runs/dqn_cartpole/``. Run it with ``make demo`` or
+Outputs land in ``runs/dqn_cartpole/``: ``checkpoints/`` (the manager's folder), the final
+agent in ``checkpoint.pkl.lz4`` (``utils.dump``) and the GIF. Run it with ``make demo`` or
 ``python examples/dqn_cartpole.py`` (``--smoke`` for a short run that only checks the
 plumbing).
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -102,9 +107,22 @@ def new_agent(seed: int, env: gym.Env, capacity: int) -> dict:
 
 
 def train(
-    agent: dict, env: gym.Env, num_steps: int, warmup: int, epsilon, beta, log_every: int
+    agent: dict,
+    env: gym.Env,
+    num_steps: int,
+    warmup: int,
+    epsilon,
+    beta,
+    log_every: int,
+    manager: utils.CheckpointManager,
+    save_every: int,
 ) -> None:
-    """Train in place for ``num_steps`` environment steps, printing progress."""
+    """Train in place for ``num_steps`` environment steps, printing progress.
+
+    Every ``save_every`` steps the agent is handed to ``manager.save``, which returns once it
+    has copied the agent; the checkpoint is compressed and written on a background thread
+    while training goes on.
+    """
     rng = np.random.default_rng(agent["step"])
     s, _ = env.reset(seed=int(agent["step"]))
     ep_return, t0, steps0 = 0.0, time.perf_counter(), agent["step"]
@@ -141,6 +159,11 @@ def train(
             )
             agent["buffer"].update(batch.idx, np.abs(np.asarray(td_error)))
 
+        if agent["step"] % save_every == 0:
+            recent = agent["returns"][-10:]
+            metrics = {"train_return": float(np.mean(recent)) if recent else 0.0}
+            manager.save(agent["step"], agent, metrics=metrics)
+
         if agent["step"] % log_every == 0:
             now = time.perf_counter()
             recent = agent["returns"][-10:]
@@ -176,10 +199,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--max-steps", type=int, default=60_000)
     parser.add_argument("--target-return", type=float, default=200.0)
+    parser.add_argument(
+        "--resume", action="store_true", help="continue an earlier run from its newest checkpoint"
+    )
     args = parser.parse_args()
 
     outdir = Path(args.outdir)
     checkpoint = outdir / "checkpoint.pkl.lz4"
+    checkpoints = outdir / "checkpoints"
     t_start = time.perf_counter()
     env = gym.make("CartPole-v1")
     eval_env = gym.make("CartPole-v1")
@@ -188,19 +215,34 @@ def main() -> int:
     eval_every = 300 if args.smoke else 5_000
     first_phase = eval_every
     log_every = 100 if args.smoke else 1_000
+    save_every = 100 if args.smoke else 1_000
     warmup = 100 if args.smoke else WARMUP_STEPS
     epsilon = utils.StepwiseLinearFunction((0, 1.0), (warmup, 1.0), (10_000, 0.02))
     beta = utils.StepwiseLinearFunction((0, 0.4), (max_steps, 1.0))
 
-    agent = new_agent(args.seed, env, capacity=50_000)
-    print(f"== phase 1: train {first_phase} steps, then checkpoint to {checkpoint}")
-    train(agent, env, first_phase, warmup, epsilon, beta, log_every)
-    utils.dump(agent, checkpoint)
-    print(f"   checkpoint written: {checkpoint} ({checkpoint.stat().st_size / 1e6:.1f} MB)")
+    def open_manager() -> utils.CheckpointManager:
+        return utils.CheckpointManager(
+            checkpoints, max_to_keep=3, best_fn=lambda metrics: metrics["train_return"]
+        )
 
-    # Resume exactly as a restarted process would: nothing survives but the checkpoint.
-    del agent
-    agent = utils.load(checkpoint)
+    if not args.resume and checkpoints.exists():
+        print(f"== a new run: removing the checkpoints of an earlier run in {checkpoints}")
+        shutil.rmtree(checkpoints)
+    manager = open_manager()
+    if manager.latest_step() is None:
+        agent = new_agent(args.seed, env, capacity=50_000)
+        print(
+            f"== phase 1: train {first_phase} steps, saving a checkpoint every {save_every} "
+            f"steps in the background to {checkpoints}"
+        )
+        train(agent, env, first_phase, warmup, epsilon, beta, log_every, manager, save_every)
+        manager.close()  # waits for the last background save
+        print(f"   checkpoints kept: steps {manager.all_steps()} (best: {manager.best_step()})")
+
+        # Resume exactly as a restarted process would: nothing survives but the checkpoints.
+        del agent, manager
+        manager = open_manager()
+    agent = manager.restore()
     print(
         f"== phase 2: resumed from the checkpoint at step {agent['step']} "
         f"with {len(agent['buffer'])} transitions in replay"
@@ -208,14 +250,19 @@ def main() -> int:
 
     avg = float("-inf")
     while agent["step"] < max_steps:
-        train(agent, env, eval_every, warmup, epsilon, beta, log_every)
+        train(agent, env, eval_every, warmup, epsilon, beta, log_every, manager, save_every)
         avg = evaluate(agent["params"], eval_env, num_episodes=10, seed=10_000)
         elapsed = time.perf_counter() - t_start
         print(f"   eval at step {agent['step']}: average return over 10 episodes {avg:.1f} "
               f"({elapsed:.0f} s elapsed)")
         if avg >= args.target_return:
             break
+    if avg == float("-inf"):  # resumed at max_steps: nothing left to train
+        avg = evaluate(agent["params"], eval_env, num_episodes=10, seed=10_000)
+    manager.close()
+    print(f"   checkpoints kept: steps {manager.all_steps()} (best: {manager.best_step()})")
     utils.dump(agent, checkpoint)
+    print(f"   final agent written: {checkpoint} ({checkpoint.stat().st_size / 1e6:.1f} MB)")
 
     gif = outdir / "dqn_cartpole.gif"
     gif_env = gym.make("CartPole-v1", render_mode="rgb_array")

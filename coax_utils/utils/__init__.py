@@ -69,6 +69,7 @@ from coax_utils.utils._checkpoint import load
 from coax_utils.utils._checkpoint import loads
 from coax_utils.utils._checkpoint import UnsafeCheckpointError
 from coax_utils.utils._ckpt_tree import register_checkpoint_type
+from coax_utils.utils._checkpoint_manager import CheckpointManager
 # -- environments and GIFs -----------------------------------------------------------------
 from coax_utils.utils._envs import check_preprocessors
 from coax_utils.utils._envs import default_preprocessor
@@ -81,6 +82,7 @@ from coax_utils.utils._envs import safe_sample
 from coax_utils.utils._gif import generate_gif
 
 __all__ = [
+    "CheckpointManager",
     "MaxTree",
     "MinTree",
     "OUNoiseState",

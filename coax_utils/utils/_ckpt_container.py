@@ -74,6 +74,9 @@ def num_threads() -> int:
     return max(1, min(MAX_THREADS, n))
 
 
+_END = object()
+
+
 def map_ordered(fn: Callable[[Any], Any], items: Iterable[Any], threaded: bool) -> Iterator[Any]:
     """``map(fn, items)`` on a few threads (lz4 and crc32 release the GIL), results in order.
 
@@ -81,13 +84,22 @@ def map_ordered(fn: Callable[[Any], Any], items: Iterable[Any], threaded: bool) 
     long ``items`` is.
     """
     workers = num_threads() if threaded else 1
+    it = iter(items)
     if workers < 2:
-        yield from map(fn, items)
+        yield from map(fn, it)
         return
-    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="checkpoint")
+    first = next(it, _END)
+    if first is _END:
+        return
     try:
-        it = iter(items)
-        pending = collections.deque(pool.submit(fn, x) for _, x in zip(range(2 * workers), it))
+        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="checkpoint")
+        pending = collections.deque([pool.submit(fn, first)])
+    except RuntimeError:  # the interpreter is exiting (e.g. a dump from an atexit handler)
+        yield fn(first)
+        yield from map(fn, it)
+        return
+    try:
+        pending.extend(pool.submit(fn, x) for _, x in zip(range(2 * workers - 1), it))
         for x in it:
             yield pending.popleft().result()
             pending.append(pool.submit(fn, x))
