@@ -474,30 +474,80 @@ class _RingStorage:
     def _set_new_priorities(self, slots: np.ndarray, priorities: Any, keep: slice) -> None:
         """Write the priorities of added rows; raises (changing nothing) if refused."""
 
-    def _gather(self, slots: np.ndarray, W: np.ndarray | None = None) -> TransitionBatch:
+    def _check_out(self, out: Any, batch_size: int) -> list[np.ndarray] | None:
+        """The arrays of ``out`` (see ``sample``) if they can take a sample; else raise."""
+        if out is None:
+            return None
+        if not isinstance(out, TransitionBatch):
+            raise TypeError(f"out must be a TransitionBatch, got {type(out).__name__}")
+        if self._storage is None:
+            raise ValueError("cannot sample from an empty replay buffer: add transitions first")
+        leaves, treedef = jax.tree_util.tree_flatten(out)
+        if treedef != self._out_treedef:
+            raise ValueError(
+                f"out must have the structure of a sample of this buffer: expected "
+                f"{self._out_treedef}, got {treedef}"
+            )
+        expected = list(self._storage)
+        expected.insert(self._idx_pos, self._ids)
+        for i, (x, arr) in enumerate(zip(leaves, expected)):
+            if not (
+                isinstance(x, np.ndarray)
+                and x.shape == (batch_size,) + arr.shape[1:]
+                and x.dtype == arr.dtype
+                and x.flags.writeable
+            ):
+                raise ValueError(
+                    f"leaf {i} of out must be a writable array "
+                    f"{arr.dtype}{[batch_size, *arr.shape[1:]]}, got {x!r:.80}"
+                )
+        owners = list(self._storage) + [self._ids, self._episode]
+        for k, x in enumerate(leaves):
+            # the small leaves of a sample are disjoint column views of one block of rows
+            if any(np.may_share_memory(x, other) for other in owners) or any(
+                np.shares_memory(x, other) for other in leaves[k + 1 :]
+            ):
+                raise ValueError(f"leaf {k} of out shares memory with the buffer or out")
+        return leaves
+
+    def _gather(
+        self, slots: np.ndarray, W: np.ndarray | None = None, out: list | None = None
+    ) -> TransitionBatch:
+        """The transitions in ``slots``: fresh arrays, or written into the leaves ``out``."""
         n = len(slots)
+        targets = list(out) if out is not None else None
+        if targets is not None:
+            idx_out = targets.pop(self._idx_pos)
         leaves: list = [None] * len(self._storage)
         chunks = []  # large leaves: (storage, slots, out) pieces, copied by several threads
         packed = set()
         if self._block is not None:
             rows = np.take(self._block, slots, axis=0, mode="clip")
             for i, offset, nbytes, dtype, shape in self._packed:
-                view = rows[:, offset : offset + nbytes].view(dtype)
-                leaves[i] = view.reshape((n,) + shape)
+                view = rows[:, offset : offset + nbytes].view(dtype).reshape((n,) + shape)
+                if targets is None:
+                    leaves[i] = view
+                else:
+                    leaves[i] = targets[i]
+                    np.copyto(leaves[i], view)
                 packed.add(i)
         for i, arr in enumerate(self._storage):
             if i in packed:
                 continue
+            leaves[i] = np.empty((n,) + arr.shape[1:], arr.dtype) if targets is None else targets[i]
             if arr[:1].nbytes * n < _LARGE_BYTES:
-                leaves[i] = np.take(arr, slots, axis=0, mode="clip")
+                np.take(arr, slots, axis=0, out=leaves[i], mode="clip")
             else:
-                leaves[i] = out = np.empty((n,) + arr.shape[1:], arr.dtype)
-                chunks.append((arr, slots, out))
+                chunks.append((arr, slots, leaves[i]))
         if chunks:
             _parallel_take(chunks)
         if W is not None:
-            leaves[self._w_pos] = leaves[self._w_pos] * W.astype(leaves[self._w_pos].dtype)
-        leaves.insert(self._idx_pos, np.take(self._ids, slots, mode="clip"))
+            w = leaves[self._w_pos]
+            np.multiply(w, W.astype(w.dtype), out=w)
+        if targets is None:
+            idx_out = np.empty(n, np.int64)
+        np.take(self._ids, slots, out=idx_out, mode="clip")
+        leaves.insert(self._idx_pos, idx_out)
         return self._out_treedef.unflatten(leaves)
 
     def _check_nonempty(self, batch_size: Any) -> int:
@@ -1030,29 +1080,41 @@ class SimpleReplayBuffer(_RingStorage):
         """
         self._add(transition_batch, None, episode_end)
 
-    def sample(self, batch_size: int = 32) -> TransitionBatch:
+    def sample(
+        self, batch_size: int = 32, *, out: TransitionBatch | None = None
+    ) -> TransitionBatch:
         """Sample a batch of transitions uniformly (with replacement).
 
         Parameters
         ----------
         batch_size : int, optional
             The number of transitions.
+        out : TransitionBatch, optional
+            An earlier sample of the same size from this buffer whose arrays the new sample
+            is written into (and which is returned): large batches (e.g. Atari frames) then
+            skip the page faults of fresh memory. Only pass a batch that nothing else uses
+            any more.
 
         Returns
         -------
         transitions : TransitionBatch
-            Fresh arrays (not views of the storage), with ``idx`` set to the transition ids
-            and ``W`` to the stored sample weights.
+            Fresh arrays (not views of the storage) or those of ``out``, with ``idx`` set to
+            the transition ids and ``W`` to the stored sample weights.
 
         Raises
         ------
+        TypeError
+            If ``out`` is not a :class:`TransitionBatch`.
         ValueError
-            If the buffer is empty or ``batch_size`` is not positive.
+            If the buffer is empty, ``batch_size`` is not positive, or ``out`` does not have
+            the structure, shapes and dtypes of such a sample in writable arrays of its own.
+            Nothing is drawn from the random stream.
         """
         batch_size = self._check_nonempty(batch_size)
+        targets = self._check_out(out, batch_size)
         # floor(u * n) with 53-bit uniform u: uniform up to a bias of n / 2**53
         slots = (self._rng.random(batch_size) * len(self)).astype(np.int64)
-        return self._gather(slots)
+        return self._gather(slots, out=targets)
 
     def __repr__(self) -> str:
         return f"SimpleReplayBuffer(capacity={self._capacity}, len={len(self)})"
@@ -1261,13 +1323,17 @@ class PrioritizedReplayBuffer(_RingStorage):
         """
         self._add(transition_batch, Adv, episode_end)
 
-    def sample(self, batch_size: int = 32) -> TransitionBatch:
+    def sample(
+        self, batch_size: int = 32, *, out: TransitionBatch | None = None
+    ) -> TransitionBatch:
         """Sample a batch of transitions in proportion to their priorities.
 
         Parameters
         ----------
         batch_size : int, optional
             The number of transitions (drawn with replacement).
+        out : TransitionBatch, optional
+            An earlier sample to write into, as in :meth:`SimpleReplayBuffer.sample`.
 
         Returns
         -------
@@ -1277,16 +1343,18 @@ class PrioritizedReplayBuffer(_RingStorage):
 
         Raises
         ------
-        ValueError
-            If the buffer is empty or ``batch_size`` is not positive.
+        TypeError, ValueError
+            If the buffer is empty, ``batch_size`` is not positive or ``out`` does not fit
+            (see :meth:`SimpleReplayBuffer.sample`); nothing is drawn.
         """
         batch_size = self._check_nonempty(batch_size)
+        targets = self._check_out(out, batch_size)
         u = self._rng.random(batch_size)
         slots = np.asarray(self._tree.inverse_cdf(u), dtype=np.int64)
         prob = self._tree.values[slots] / self._tree.root_value
         W = np.power(len(self) * prob, -self._beta)
         W /= W.max()
-        return self._gather(slots, W)
+        return self._gather(slots, W, targets)
 
     def update(self, idx: Any, Adv: Any) -> None:
         """Update the priorities of transitions sampled earlier.
