@@ -252,7 +252,8 @@ class SegmentTree:
         unused = np.concatenate([arr[:1], arr[n_leaves + self.capacity :]])
         if not np.array_equal(unused, np.full_like(unused, self.init_value), equal_nan=True):
             raise ValueError(f"{name} state: unused nodes must hold init_value {self.init_value}")
-        parents = np.asarray(self._ufunc(arr[2 : 2 * n_leaves : 2], arr[3 : 2 * n_leaves : 2]))
+        with np.errstate(over="ignore", invalid="ignore"):
+            parents = np.asarray(self._ufunc(arr[2 : 2 * n_leaves : 2], arr[3 : 2 * n_leaves : 2]))
         wrong = parents != arr[1:n_leaves]
         if wrong.any():
             k = int(np.argmax(wrong)) + 1
@@ -430,9 +431,10 @@ class SegmentTree:
     def _write_leaves(self, uniq: np.ndarray, values: np.ndarray) -> None:
         self._arr[self._num_leaves + uniq] = values
         nodes = uniq + self._num_leaves
-        for _ in range(self._height - 1):
-            nodes = np.unique(nodes >> 1)
-            self._arr[nodes] = self._ufunc(self._arr[2 * nodes], self._arr[2 * nodes + 1])
+        with np.errstate(over="ignore"):  # an overflowing total is checked (and undone) after
+            for _ in range(self._height - 1):
+                nodes = np.unique(nodes >> 1)
+                self._arr[nodes] = self._ufunc(self._arr[2 * nodes], self._arr[2 * nodes + 1])
 
     # -- reductions --------------------------------------------------------------------------
 
