@@ -157,7 +157,7 @@ def train(
             agent["params"], agent["target_params"], agent["opt_state"] = (
                 params, target_params, opt_state,
             )
-            agent["buffer"].update(batch.idx, np.abs(np.asarray(td_error)))
+            agent["buffer"].update(batch.idx, np.asarray(td_error))
 
         if agent["step"] % save_every == 0:
             recent = agent["returns"][-10:]

@@ -104,7 +104,9 @@ class ReplayServer(RemoteClass):
         # Ray hands over NumPy arrays as read-only views of its object store: own a copy.
         self._buffer = copy.deepcopy(buffer)
         self._lock = threading.Lock()
-        self._num_added = 0
+        # the transitions the buffer already holds count as added: size() equals
+        # min(num_added(), capacity) from the start
+        self._num_added = len(self._buffer)
 
     @classmethod
     def _validate_args(cls, buffer: Any) -> None:
@@ -203,11 +205,12 @@ class ReplayServer(RemoteClass):
             return len(self._buffer)
 
     def num_added(self) -> int:
-        """The number of transitions accepted by :meth:`add` since the server started.
+        """The number of transitions the buffer held when the server started (or was last
+        restored) plus those accepted by :meth:`add` since.
 
         Transitions stored beyond the buffer's capacity evicted the oldest ones, so
-        ``size() == min(num_added(), capacity)`` for a server that was never restored.
-        :meth:`restore` does not change this count.
+        ``size() == min(num_added(), capacity)`` always: a rejected :meth:`add` writes and
+        counts nothing (the host buffers validate everything before the first write).
         """
         with self._lock:
             return self._num_added
@@ -277,4 +280,5 @@ class ReplayServer(RemoteClass):
             raise TypeError(f"{os.fspath(path)!r} does not hold a replay buffer: {exc}") from None
         with self._lock:
             self._buffer = buffer
+            self._num_added = len(buffer)
             return len(buffer)

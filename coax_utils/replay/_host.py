@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
-import sys
+import re
+import secrets
+import shutil
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,12 +14,13 @@ import jax
 import numpy as np
 
 from coax_utils._dataclass import pytree_dataclass
-from coax_utils.replay._transition import TransitionBatch
+from coax_utils.replay._transition import TransitionBatch, check_state_keys
+from coax_utils.utils import SumTree
 
 __all__ = ["PrioritizedReplayBuffer", "SequenceSample", "SimpleReplayBuffer"]
 
-_FORMAT_VERSION = 1
-_LARGE_BYTES = 1 << 20  # sampled leaves of this size recycle memory and copy in threads
+_LARGE_BYTES = 1 << 20  # sampled leaves of this size are copied by several threads
+_MAX_COUNT = np.iinfo(np.int64).max  # ids are int64 and never wrap
 _MAX_THREADS = 4
 _PACK_BYTES = 256  # leaves of at most this many bytes per item share one block of rows
 _pool: Any = None
@@ -87,6 +91,192 @@ def _check_batch_size(batch_size: Any, name: str = "batch_size") -> int:
     return int(batch_size)
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_int(state: dict, key: str, owner: str, lo: int, hi: int) -> int:
+    value = state[key]
+    if not _is_int(value):
+        raise TypeError(f"{owner} state: {key} must be an int, got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{owner} state: {key} must lie in [{lo}, {hi}], got {value}")
+    return int(value)
+
+
+def _check_array(state: dict, key: str, owner: str, dtype: Any, shape: tuple) -> np.ndarray:
+    value = state[key]
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"{owner} state: {key} must be a numpy array, got {type(value).__name__}")
+    if value.dtype != dtype or value.shape != shape:
+        raise ValueError(
+            f"{owner} state: {key} must be {np.dtype(dtype)}{list(shape)}, got "
+            f"{value.dtype}{list(value.shape)}"
+        )
+    return value
+
+
+def _check_ids(idx: Any) -> np.ndarray:
+    """Transition ids as a 1-d int64 array; refuses what does not fit instead of wrapping."""
+    if isinstance(idx, (list, tuple)):
+        if not all(_is_int(i) for i in idx):
+            raise TypeError(f"idx must be ints, got {idx!r:.100}")
+        bad = [i for i in idx if not 0 <= int(i) <= _MAX_COUNT]
+        if bad:
+            raise ValueError(f"idx must be transition ids in [0, 2**63), got {bad[0]}")
+        return np.array([int(i) for i in idx], dtype=np.int64)
+    arr = np.asarray(idx)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"idx must be an array of ints, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"idx must be a 1-d array, got shape {arr.shape}")
+    # compared in the array's own dtype: uint64 2**64 - 1 must not wrap to -1
+    bad = arr > _MAX_COUNT if arr.dtype.kind == "u" else arr < 0
+    if bad.any():
+        raise ValueError(f"idx must be transition ids in [0, 2**63), got {arr[np.argmax(bad)]}")
+    return arr.astype(np.int64)
+
+
+def _ids_of_slots(count: int, capacity: int) -> np.ndarray:
+    """The id held by every slot after ``count`` additions (-1 for a slot never written)."""
+    slots = np.arange(capacity, dtype=np.int64)
+    return np.where(slots < count, slots + capacity * ((count - 1 - slots) // capacity), -1)
+
+
+# -- the structure of the stored transitions, as plain data -------------------------------------
+
+_STORED_FIELDS = ("S", "A", "logP", "Rn", "In", "S_next", "A_next", "logP_next", "W", "extra_info")
+_MAX_DEPTH = 64
+
+
+def _encode_node(x: Any, where: str, depth: int = 0) -> Any:
+    """A pytree whose leaves are all 0, as nested dicts, lists, tuples, None and 0."""
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"{where} is nested deeper than {_MAX_DEPTH} levels")
+    if x is None or (type(x) is int and x == 0):
+        return x
+    if type(x) in (list, tuple):
+        return type(x)(_encode_node(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(x))
+    if type(x) is dict and all(type(k) is str for k in x):
+        return {k: _encode_node(v, f"{where}[{k!r}]", depth + 1) for k, v in x.items()}
+    raise TypeError(
+        f"{where} is a {type(x).__name__} node; a buffer checkpoint describes transitions made "
+        "of arrays in dicts (str keys), lists and tuples only"
+    )
+
+
+def _encode_structure(treedef: Any) -> dict[str, Any]:
+    skeleton = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
+    return {name: _encode_node(getattr(skeleton, name), name) for name in _STORED_FIELDS}
+
+
+def _decode_structure(structure: Any, owner: str) -> Any:
+    """The treedef of stored transitions from :func:`_encode_structure` (checked)."""
+    if not isinstance(structure, dict) or set(structure) != set(_STORED_FIELDS):
+        raise ValueError(
+            f"{owner} state: structure must be a dict with the keys {list(_STORED_FIELDS)}"
+        )
+    try:
+        fields = {name: _encode_node(structure[name], name) for name in _STORED_FIELDS}
+    except TypeError as e:
+        raise ValueError(f"{owner} state: structure: {e}") from None
+    if fields["W"] != 0:
+        raise ValueError(f"{owner} state: structure: W must be one array, got {fields['W']!r}")
+    return jax.tree_util.tree_structure(TransitionBatch(**fields))
+
+
+# -- folders of .npy files ----------------------------------------------------------------------
+
+_FOLDER_FORMAT = 2
+_META = "meta.lz4"
+_BIT_GENERATORS = ("MT19937", "PCG64", "PCG64DXSM", "Philox", "SFC64")
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_tree(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _leftovers(target: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The folders of interrupted saves into ``target``: ``(staged, replaced)`` by token."""
+    parent, base = os.path.split(target)
+    staged, replaced = {}, {}
+    for name in os.listdir(parent):
+        for prefix, found in ((f".{base}.saving-", staged), (f".{base}.old-", replaced)):
+            if name.startswith(prefix):
+                found[name[len(prefix) :]] = os.path.join(parent, name)
+    return staged, replaced
+
+
+def _interrupted_swap(target: str) -> str | None:
+    """The complete new folder of a save killed between its two renames, if ``target`` is
+    missing because of one (the old folder was moved away, the new one not yet moved in)."""
+    if os.path.lexists(target):
+        return None
+    staged, replaced = _leftovers(target)
+    tokens = sorted(set(staged) & set(replaced))
+    return staged[tokens[-1]] if tokens else None
+
+
+def _is_saved_folder(path: str) -> bool:
+    names = os.listdir(path)
+    return all(n == _META or re.fullmatch(r"leaf_\d+\.npy", n) for n in names)
+
+
+def _write_npy(path: str, arr: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        np.lib.format.write_array(f, np.asanyarray(arr).view(np.ndarray), allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _split_state(state: dict[str, Any]) -> tuple[dict, list[tuple[str, Any, np.ndarray]], dict]:
+    """Take the arrays (top-level values and items of top-level lists) and the Generators out
+    of a checkpoint state; their places hold None."""
+    meta: dict[str, Any] = {}
+    arrays: list[tuple[str, Any, np.ndarray]] = []
+    generators = {}
+    for key, value in state.items():
+        if isinstance(value, np.ndarray):
+            arrays.append((key, None, value))
+            value = None
+        elif isinstance(value, np.random.Generator):
+            bit_generator = value.bit_generator
+            generators[key] = {"name": type(bit_generator).__name__, "state": bit_generator.state}
+            value = None
+        elif isinstance(value, list):
+            value = list(value)
+            for i, item in enumerate(value):
+                if isinstance(item, np.ndarray):
+                    arrays.append((key, i, item))
+                    value[i] = None
+        meta[key] = value
+    return meta, arrays, generators
+
+
+def _generator(record: Any, where: str) -> np.random.Generator:
+    if not isinstance(record, dict) or set(record) != {"name", "state"}:
+        raise ValueError(f"{where}: a generator record needs the keys 'name' and 'state'")
+    if record["name"] not in _BIT_GENERATORS:
+        raise ValueError(f"{where}: unknown bit generator {record['name']!r}")
+    bit_generator = getattr(np.random, record["name"])()
+    try:
+        bit_generator.state = record["state"]
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{where}: invalid {record['name']} state: {e}") from None
+    return np.random.Generator(bit_generator)
+
+
 class _RingStorage:
     """Shared machinery of the host buffers: storage, ids, episodes, RNG, persistence."""
 
@@ -96,7 +286,6 @@ class _RingStorage:
         if capacity <= 0:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         self._capacity = int(capacity)
-        self._random_seed = random_seed
         self._rng = np.random.default_rng(random_seed)
         self.clear()
 
@@ -118,7 +307,6 @@ class _RingStorage:
         self._storage: list[np.ndarray] | None = None
         self._block: np.ndarray | None = None
         self._packed: list = []
-        self._recycle: dict[int, np.ndarray] = {}
         self._treedef = None
         self._out_treedef = None
         self._idx_pos = 0
@@ -145,6 +333,12 @@ class _RingStorage:
         W = transition_batch.W
         if W is None:
             W = np.ones(batch_size, np.float32)
+        W = np.asarray(W)
+        if W.shape != (batch_size,) or W.dtype.kind != "f":
+            raise ValueError(
+                f"transition_batch.W must be a float array of shape ({batch_size},), got "
+                f"{W.dtype}{list(W.shape)}"
+            )
         stored = transition_batch.replace(idx=None, W=W)
         leaves, treedef = jax.tree_util.tree_flatten(stored)
         leaves = [np.asarray(x) for x in leaves]
@@ -154,6 +348,8 @@ class _RingStorage:
                     f"every field of the TransitionBatch needs the leading batch axis of size "
                     f"{batch_size}, got a leaf of shape {x.shape}"
                 )
+            if x.dtype.kind in "OV":
+                raise TypeError(f"the buffer stores arrays of numbers, got dtype {x.dtype}")
         if self._storage is not None:
             if treedef != self._treedef:
                 raise ValueError(
@@ -167,15 +363,20 @@ class _RingStorage:
                         f"dtype {x.dtype}; the buffer holds shape {arr.shape[1:]} and dtype "
                         f"{arr.dtype}"
                     )
+            if not all(arr.flags.writeable for arr in self._storage):
+                raise ValueError("the buffer is read-only (loaded with mmap_mode='r')")
+        if self._count + batch_size > _MAX_COUNT:
+            raise ValueError("the transition ids would overflow int64")
         return leaves, treedef, batch_size
 
-    def _allocate(self, leaves: list[Any], treedef: Any) -> None:
+    def _new_storage(self, leaves: list[Any]) -> tuple[np.ndarray | None, list]:
         """Preallocate storage for leaves shaped like ``leaves`` (arrays with a batch axis).
 
         Small leaves (a few scalars each, e.g. rewards, actions, small observations) share one
         block of rows, each leaf being a view of its columns: a sample then reads each row
         with a single ``np.take`` instead of one per leaf. Larger leaves get arrays of their
-        own.
+        own. Returns ``(block, leaves)`` in the form of the checkpoint state: each leaf is an
+        array or a ``{"offset", "dtype", "shape"}`` record of its columns in the block.
         """
         shapes = [(x.shape[1:], np.dtype(x.dtype)) for x in leaves]
         small = [
@@ -193,21 +394,28 @@ class _RingStorage:
             offsets[i] = row
             row += dtype.itemsize * int(np.prod(shape))
         row = -(-row // 8) * 8
-        self._block = np.zeros((self._capacity, row), np.uint8) if small else None
-        self._packed = []  # (leaf, offset, nbytes, dtype, shape)
-        storage = []
+        block = np.zeros((self._capacity, row), np.uint8) if small else None
+        specs: list[Any] = []
         for i, (shape, dtype) in enumerate(shapes):
             if i in offsets:
-                nbytes = dtype.itemsize * int(np.prod(shape))
-                view = self._block[:, offsets[i] : offsets[i] + nbytes].view(dtype)
-                storage.append(view.reshape((self._capacity,) + shape))
-                self._packed.append((i, offsets[i], nbytes, dtype, shape))
+                specs.append({"offset": offsets[i], "dtype": dtype.str, "shape": list(shape)})
             else:
-                storage.append(np.empty((self._capacity,) + shape, dtype))
-        self._storage = storage
-        self._set_treedef(treedef)
+                specs.append(np.empty((self._capacity,) + shape, dtype))
+        return block, specs
 
-    def _set_treedef(self, treedef: Any) -> None:
+    def _adopt_storage(self, block: np.ndarray | None, specs: list, treedef: Any) -> None:
+        """Make ``block`` and ``specs`` (see :meth:`_new_storage`) the storage, no copy."""
+        storage, packed = [], []
+        for i, spec in enumerate(specs):
+            if isinstance(spec, np.ndarray):
+                storage.append(spec)
+                continue
+            dtype, shape, offset = np.dtype(spec["dtype"]), tuple(spec["shape"]), spec["offset"]
+            nbytes = dtype.itemsize * int(np.prod(shape))
+            view = block[:, offset : offset + nbytes].view(dtype)
+            storage.append(view.reshape((self._capacity,) + shape))
+            packed.append((i, offset, nbytes, dtype, shape))
+        self._block, self._packed, self._storage = block, packed, storage
         self._treedef = treedef
         # output structure: the stored structure plus an ``idx`` leaf
         skeleton = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
@@ -232,77 +440,114 @@ class _RingStorage:
             )
         return ends.astype(bool)
 
-    def _write(self, leaves: list[np.ndarray], treedef: Any, batch_size: int, ends: Any) -> Any:
-        """Write validated leaves into the ring; return the slots written."""
-        if self._storage is None:
-            self._allocate(leaves, treedef)
-        elif not all(arr.flags.writeable for arr in self._storage):
-            raise ValueError("the buffer is read-only (loaded with mmap_mode='r')")
-        ids = self._count + np.arange(batch_size, dtype=np.int64)
+    def _add(self, transition_batch: Any, Adv: Any, episode_end: Any) -> None:
+        """Validate everything, then write: a rejected call changes nothing."""
+        leaves, treedef, batch_size = self._flatten(transition_batch)
+        ends = self._check_episode_end(episode_end, batch_size)
+        priorities = self._check_new_priorities(Adv, batch_size)
+        keep = slice(max(0, batch_size - self._capacity), None)  # only the newest rows fit
+        ids = (self._count + np.arange(batch_size, dtype=np.int64))[keep]
         episode = np.full(batch_size, self._episode_counter, np.int64)
         if ends is not None and batch_size:
             episode[1:] += np.cumsum(ends[:-1])
-        keep = slice(max(0, batch_size - self._capacity), None)  # only the newest rows fit
-        ids, episode = ids[keep], episode[keep]
         slots = ids % self._capacity
+        new = self._new_storage(leaves) if self._storage is None else None
+        self._set_new_priorities(slots, priorities, keep)  # the last check (tree total)
+        if new is not None:
+            self._adopt_storage(*new, treedef)
         start = int(slots[0]) if len(slots) else 0
         stop = start + len(slots)
         if stop <= self._capacity:  # one contiguous block
-            for arr, x in zip(self._storage, leaves):
-                arr[start:stop] = x[keep]
-            self._ids[start:stop] = ids
-            self._episode[start:stop] = episode
-        else:
-            for arr, x in zip(self._storage, leaves):
-                arr[slots] = x[keep]
-            self._ids[slots] = ids
-            self._episode[slots] = episode
+            slots = slice(start, stop)
+        for arr, x in zip(self._storage, leaves):
+            arr[slots] = x[keep]
+        self._ids[slots] = ids
+        self._episode[slots] = episode[keep]
         self._count += batch_size
         if ends is not None:
             self._episode_counter += int(ends.sum())
-        return slots, ids
 
-    def _output(self, i: int, arr: np.ndarray, n: int) -> np.ndarray:
-        """An array for ``n`` rows of leaf ``i``: fresh, or recycled when unreferenced.
+    def _check_new_priorities(self, Adv: Any, batch_size: int) -> Any:
+        """Validate the priorities of a batch to add (prioritized buffers)."""
+        return None
 
-        Filling fresh memory costs page faults that can double the time of a large gather
-        (e.g. a batch of Atari frames). The last output of each large leaf is kept; when the
-        caller no longer holds any reference to it (nor to a view of it), the next sample
-        writes into it instead of allocating. A batch that is still referenced is never
-        overwritten.
-        """
-        out = self._recycle.get(i)
-        # references: the dict, the local name and getrefcount's argument
-        if out is not None and out.shape[0] == n and sys.getrefcount(out) == 3:
-            return out
-        out = np.empty((n,) + arr.shape[1:], arr.dtype)
-        self._recycle[i] = out
-        return out
+    def _set_new_priorities(self, slots: np.ndarray, priorities: Any, keep: slice) -> None:
+        """Write the priorities of added rows; raises (changing nothing) if refused."""
 
-    def _gather(self, slots: np.ndarray, W: np.ndarray | None = None) -> TransitionBatch:
+    def _check_out(self, out: Any, batch_size: int) -> list[np.ndarray] | None:
+        """The arrays of ``out`` (see ``sample``) if they can take a sample; else raise."""
+        if out is None:
+            return None
+        if not isinstance(out, TransitionBatch):
+            raise TypeError(f"out must be a TransitionBatch, got {type(out).__name__}")
+        if self._storage is None:
+            raise ValueError("cannot sample from an empty replay buffer: add transitions first")
+        leaves, treedef = jax.tree_util.tree_flatten(out)
+        if treedef != self._out_treedef:
+            raise ValueError(
+                f"out must have the structure of a sample of this buffer: expected "
+                f"{self._out_treedef}, got {treedef}"
+            )
+        expected = list(self._storage)
+        expected.insert(self._idx_pos, self._ids)
+        for i, (x, arr) in enumerate(zip(leaves, expected)):
+            if not (
+                isinstance(x, np.ndarray)
+                and x.shape == (batch_size,) + arr.shape[1:]
+                and x.dtype == arr.dtype
+                and x.flags.writeable
+            ):
+                raise ValueError(
+                    f"leaf {i} of out must be a writable array "
+                    f"{arr.dtype}{[batch_size, *arr.shape[1:]]}, got {x!r:.80}"
+                )
+        owners = list(self._storage) + [self._ids, self._episode]
+        for k, x in enumerate(leaves):
+            # the small leaves of a sample are disjoint column views of one block of rows
+            if any(np.may_share_memory(x, other) for other in owners) or any(
+                np.shares_memory(x, other) for other in leaves[k + 1 :]
+            ):
+                raise ValueError(f"leaf {k} of out shares memory with the buffer or out")
+        return leaves
+
+    def _gather(
+        self, slots: np.ndarray, W: np.ndarray | None = None, out: list | None = None
+    ) -> TransitionBatch:
+        """The transitions in ``slots``: fresh arrays, or written into the leaves ``out``."""
         n = len(slots)
+        targets = list(out) if out is not None else None
+        if targets is not None:
+            idx_out = targets.pop(self._idx_pos)
         leaves: list = [None] * len(self._storage)
         chunks = []  # large leaves: (storage, slots, out) pieces, copied by several threads
         packed = set()
         if self._block is not None:
             rows = np.take(self._block, slots, axis=0, mode="clip")
             for i, offset, nbytes, dtype, shape in self._packed:
-                view = rows[:, offset : offset + nbytes].view(dtype)
-                leaves[i] = view.reshape((n,) + shape)
+                view = rows[:, offset : offset + nbytes].view(dtype).reshape((n,) + shape)
+                if targets is None:
+                    leaves[i] = view
+                else:
+                    leaves[i] = targets[i]
+                    np.copyto(leaves[i], view)
                 packed.add(i)
         for i, arr in enumerate(self._storage):
             if i in packed:
                 continue
+            leaves[i] = np.empty((n,) + arr.shape[1:], arr.dtype) if targets is None else targets[i]
             if arr[:1].nbytes * n < _LARGE_BYTES:
-                leaves[i] = np.take(arr, slots, axis=0, mode="clip")
+                np.take(arr, slots, axis=0, out=leaves[i], mode="clip")
             else:
-                leaves[i] = out = self._output(i, arr, n)
-                chunks.append((arr, slots, out))
+                chunks.append((arr, slots, leaves[i]))
         if chunks:
             _parallel_take(chunks)
         if W is not None:
-            leaves[self._w_pos] = leaves[self._w_pos] * W.astype(leaves[self._w_pos].dtype)
-        leaves.insert(self._idx_pos, np.take(self._ids, slots, mode="clip"))
+            w = leaves[self._w_pos]
+            np.multiply(w, W.astype(w.dtype), out=w)
+        if targets is None:
+            idx_out = np.empty(n, np.int64)
+        np.take(self._ids, slots, out=idx_out, mode="clip")
+        leaves.insert(self._idx_pos, idx_out)
         return self._out_treedef.unflatten(leaves)
 
     def _check_nonempty(self, batch_size: Any) -> int:
@@ -314,11 +559,14 @@ class _RingStorage:
     def _oldest_slot(self) -> int:
         return self._count % self._capacity if self._count > self._capacity else 0
 
+    def _filled_in_order(self) -> np.ndarray:
+        """The filled slots, oldest first."""
+        return (self._oldest_slot() + np.arange(len(self))) % self._capacity
+
     def __iter__(self) -> Iterator[TransitionBatch]:
         """Iterate over the stored transitions, oldest first, as batches of size 1."""
-        oldest, n = self._oldest_slot(), len(self)
-        for j in range(n):
-            yield self._gather(np.array([(oldest + j) % self._capacity]))
+        for slot in self._filled_in_order():
+            yield self._gather(np.array([slot]))
 
     def sample_sequences(self, batch_size: int, length: int) -> SequenceSample:
         """Sample contiguous windows of ``length`` consecutive transitions.
@@ -371,100 +619,309 @@ class _RingStorage:
         )
         return SequenceSample(items=items, mask=mask, indices=items.idx)
 
-    # -- persistence -----------------------------------------------------------------------
+    # -- checkpoints -----------------------------------------------------------------------
 
-    def _extra_state(self) -> dict:
-        return {}
+    _STATE_KEYS: tuple[str, ...] = (
+        "capacity",
+        "count",
+        "episode",
+        "episode_counter",
+        "rng",
+        "structure",
+        "block",
+        "leaves",
+    )
 
-    def _set_extra_state(self, state: dict) -> None:
-        pass
+    def __checkpoint_state__(self) -> dict[str, Any]:
+        """The buffer as plain data, for checkpoints.
 
-    def __getstate__(self) -> dict:
-        n = len(self)
-        skip = ("_storage", "_rng", "_recycle", "_block", "_packed")
-        state = {k: v for k, v in self.__dict__.items() if k not in skip}
-        state["_rng_state"] = self._rng.bit_generator.state
-        state["_rng_class"] = type(self._rng.bit_generator).__name__
-        # only the filled slots are stored (slots [0, n) are filled while not yet full)
-        state["_storage"] = None if self._storage is None else [a[:n] for a in self._storage]
-        for key in ("_treedef", "_out_treedef"):
-            state.pop(key)
-        state["_skeleton"] = (
-            None
-            if self._treedef is None
-            else jax.tree_util.tree_unflatten(self._treedef, [0] * self._treedef.num_leaves)
-        )
+        Keys: ``capacity``, ``count`` (transitions added since the last :meth:`clear`; the
+        ids follow from it), ``episode`` and ``episode_counter`` (episode numbers per slot,
+        for :meth:`sample_sequences`), ``rng`` (the buffer's
+        :class:`numpy.random.Generator`), ``structure`` (the structure of the stored
+        :class:`TransitionBatch`, as nested dicts, lists and tuples whose leaves are 0; None
+        before the first :meth:`add`), ``block`` (the shared rows of the small leaves, or
+        None) and ``leaves`` (per stored leaf: its storage array, or the ``offset``, ``dtype``
+        and ``shape`` of its columns in ``block``). Storage arrays are the buffer's own, at
+        full capacity (not copies).
+
+        Raises
+        ------
+        TypeError
+            If the transitions hold pytree nodes other than dicts with str keys, lists and
+            tuples (e.g. a NamedTuple), which plain data cannot describe.
+        """
+        specs: list[Any] = []
+        if self._storage is not None:
+            packed = {i: (offset, dtype, shape) for i, offset, _, dtype, shape in self._packed}
+            for i, arr in enumerate(self._storage):
+                if i in packed:
+                    offset, dtype, shape = packed[i]
+                    specs.append({"offset": offset, "dtype": dtype.str, "shape": list(shape)})
+                else:
+                    specs.append(arr)
+        state = {
+            "capacity": self._capacity,
+            "count": self._count,
+            "episode": self._episode,
+            "episode_counter": self._episode_counter,
+            "rng": self._rng,
+            "structure": None if self._treedef is None else _encode_structure(self._treedef),
+            "block": self._block,
+            "leaves": specs,
+        }
+        state.update(self._extra_state())
         return state
 
-    def __setstate__(self, state: dict) -> None:
-        state = dict(state)
-        rng_state, rng_class = state.pop("_rng_state"), state.pop("_rng_class")
-        skeleton, stored = state.pop("_skeleton"), state.pop("_storage")
-        self.__dict__.update(state)
-        bit_generator = getattr(np.random, rng_class)()
-        bit_generator.state = rng_state
-        self._rng = np.random.Generator(bit_generator)
-        self._storage = None
-        self._block, self._packed = None, []
-        self._recycle = {}
-        self._treedef = self._out_treedef = None
-        if stored is not None:
-            self._allocate(stored, jax.tree_util.tree_structure(skeleton))
-            for arr, a in zip(self._storage, stored):
-                arr[: len(a)] = a
+    @classmethod
+    def __checkpoint_restore__(cls, state: dict[str, Any]) -> Any:
+        """Rebuild a buffer from :meth:`__checkpoint_state__`, trusting nothing in it.
+
+        Every key, type, dtype and shape is checked against the capacity, and so are the
+        counters, the episode numbers, the layout of the small leaves in ``block`` and (for
+        the prioritized buffer) the advantages and hyperparameters. The storage arrays become
+        the buffer's storage without a copy (read-only arrays give a read-only buffer).
+
+        Raises
+        ------
+        ValueError, TypeError
+            Naming what is wrong; nothing is built.
+        """
+        name = cls.__name__
+        state = check_state_keys(state, cls._STATE_KEYS, name)
+        obj = cls.__new__(cls)
+        capacity = _check_int(state, "capacity", name, 1, _MAX_COUNT)
+        count = _check_int(state, "count", name, 0, _MAX_COUNT)
+        counter = _check_int(state, "episode_counter", name, 0, count)
+        episode = _check_array(state, "episode", name, np.int64, (capacity,))
+        rng = state["rng"]
+        if not isinstance(rng, np.random.Generator):
+            raise TypeError(f"{name} state: rng must be a numpy Generator, got {rng!r}")
+        obj._capacity, obj._rng = capacity, rng
+        obj.clear()
+        obj._count, obj._episode_counter, obj._episode = count, counter, episode
+        obj._ids = _ids_of_slots(count, capacity)
+        in_order = episode[obj._filled_in_order()]
+        if (
+            np.any(in_order < 0)
+            or np.any(np.diff(in_order) < 0)
+            or np.any(in_order > counter)
+            or np.any(episode[len(obj) :] != 0)
+        ):
+            raise ValueError(
+                f"{name} state: episode numbers must grow from the oldest transition on, up "
+                f"to episode_counter={counter}, and be 0 in empty slots"
+            )
+        obj._restore_storage(state)
+        if count and obj._storage is None:
+            raise ValueError(f"{name} state: count is {count} but the buffer holds no storage")
+        obj._restore_extra(state)
+        arrays = [arr for _, _, arr in _split_state(state)[1]]
+        for k, a in enumerate(arrays):
+            if any(np.may_share_memory(a, b) for b in arrays[k + 1 :]):
+                raise ValueError(f"{name} state: two arrays of the state share memory")
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self).__checkpoint_restore__, (self.__checkpoint_state__(),))
+
+    def _restore_storage(self, state: dict[str, Any]) -> None:
+        name, capacity = type(self).__name__, self._capacity
+        structure, block, specs = state["structure"], state["block"], state["leaves"]
+        if not isinstance(specs, list):
+            raise TypeError(f"{name} state: leaves must be a list, got {type(specs).__name__}")
+        if structure is None:
+            if block is not None or specs:
+                raise ValueError(f"{name} state: storage without a structure")
+            return
+        treedef = _decode_structure(structure, name)
+        if len(specs) != treedef.num_leaves:
+            raise ValueError(
+                f"{name} state: the structure has {treedef.num_leaves} leaves, but leaves "
+                f"holds {len(specs)}"
+            )
+        if block is not None and not (
+            isinstance(block, np.ndarray)
+            and block.dtype == np.uint8
+            and block.ndim == 2
+            and block.shape[0] == capacity
+            and block.flags.c_contiguous
+        ):
+            raise ValueError(
+                f"{name} state: block must be a C-contiguous uint8 array of shape "
+                f"({capacity}, row bytes), got {block!r:.80}"
+            )
+        columns = []
+        for i, spec in enumerate(specs):
+            if isinstance(spec, np.ndarray):
+                if spec.ndim == 0 or spec.shape[0] != capacity or spec.dtype.kind in "OV":
+                    raise ValueError(
+                        f"{name} state: leaf {i} must be an array of numbers with "
+                        f"{capacity} rows, got {spec.dtype}{list(spec.shape)}"
+                    )
+                continue
+            columns.append(self._check_column(i, spec, block))
+        columns.sort()
+        for (_, hi0, i0), (lo1, _, i1) in zip(columns, columns[1:]):
+            if lo1 < hi0:
+                raise ValueError(f"{name} state: leaves {i0} and {i1} overlap in block")
+        self._adopt_storage(block, specs, treedef)
+        w = self._storage[self._w_pos]
+        if w.ndim != 1 or w.dtype.kind != "f":
+            raise ValueError(f"{name} state: W must be stored as floats, one per transition")
+
+    def _check_column(self, i: int, spec: Any, block: Any) -> tuple[int, int, int]:
+        name = type(self).__name__
+        if not isinstance(spec, dict) or set(spec) != {"offset", "dtype", "shape"}:
+            raise ValueError(
+                f"{name} state: leaf {i} must be an array or a dict with the keys offset, "
+                f"dtype and shape, got {spec!r:.80}"
+            )
+        if block is None:
+            raise ValueError(f"{name} state: leaf {i} lies in block, but block is None")
+        offset, shape = spec["offset"], spec["shape"]
+        try:
+            dtype = np.dtype(spec["dtype"]) if isinstance(spec["dtype"], str) else None
+        except TypeError:
+            dtype = None
+        if dtype is None or dtype.kind not in "biuf" or dtype.itemsize == 0:
+            raise ValueError(f"{name} state: leaf {i} has an invalid dtype {spec['dtype']!r}")
+        if not (
+            isinstance(shape, list)
+            and len(shape) <= 8
+            and all(_is_int(d) and d >= 0 for d in shape)
+        ):
+            raise ValueError(f"{name} state: leaf {i} has an invalid shape {shape!r}")
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        if not (_is_int(offset) and offset >= 0 and offset % dtype.itemsize == 0):
+            raise ValueError(f"{name} state: leaf {i} has an invalid offset {offset!r}")
+        if offset + nbytes > block.shape[1]:
+            raise ValueError(
+                f"{name} state: leaf {i} ends at byte {offset + nbytes}, past the "
+                f"{block.shape[1]} bytes of a block row"
+            )
+        return int(offset), int(offset) + nbytes, i
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _restore_extra(self, state: dict[str, Any]) -> None:
+        pass
+
+    # -- folders ---------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike) -> None:
-        """Save the buffer to a directory of ``.npy`` files, without a pickle copy of the data.
+        """Save the buffer to a folder of ``.npy`` files, atomically.
 
-        Each storage leaf is written to its own ``leaf_<i>.npy`` file (streamed from the
-        in-memory array); the small remainder (counters, ids, episodes, priorities, the RNG
-        state and the structure of the transitions) goes to ``meta.lz4`` through
-        :func:`coax_utils.utils.dump`. This is the format for large buffers (e.g. millions of
-        Atari frames): :meth:`load` can memory-map the leaves instead of reading them, and
-        nothing is ever held twice in memory. For small buffers, ``utils.dump(buffer, path)``
-        is simpler and equivalent.
+        Each storage array of :meth:`__checkpoint_state__` goes to its own ``leaf_<i>.npy``
+        file (streamed from memory, no copy); the rest of the state (counters, episodes,
+        priorities, the RNG state, the structure of the transitions) goes to ``meta.lz4``
+        through :func:`coax_utils.utils.dump`. :meth:`load` can memory-map the leaves instead
+        of reading them: the format for large buffers (e.g. millions of Atari frames). For
+        small buffers, ``utils.dump(buffer, path)`` is simpler and equivalent.
+
+        The save is atomic and crash-safe: the files are written to a new folder beside
+        ``path`` (same parent), flushed to disk (files and folder), then swapped in with two
+        renames; the old folder is removed last. A process killed at any moment leaves a
+        ``path`` that :meth:`load` reads as the complete old or the complete new buffer
+        (between the two renames :meth:`load` finds the new folder beside ``path``), and the
+        next save into ``path`` removes the leftovers. The files of the old folder are never
+        truncated, so saving into the folder a buffer was loaded (and memory-mapped) from
+        keeps every transition, on disk and in memory. A buffer loaded with
+        ``mmap_mode="r+"`` keeps writing through to the files it was loaded from, which such
+        a save replaces: load it again to write through to the new ones.
 
         Parameters
         ----------
         path : str or os.PathLike
-            The directory (created if needed; files of an earlier save are overwritten).
+            The folder. Its parent is created if needed; an existing ``path`` must be a
+            folder written by :meth:`save` (or empty), which is replaced.
+
+        Raises
+        ------
+        ValueError
+            If ``path`` exists and is not such a folder (nothing is written).
+        TypeError
+            If the transitions cannot be described as plain data (see
+            :meth:`__checkpoint_state__`).
         """
         from coax_utils.utils import dump
 
-        path = os.fspath(path)
-        os.makedirs(path, exist_ok=True)
-        state = self.__getstate__()
-        stored = state.pop("_storage")
-        state["_leaf_files"] = 0 if stored is None else len(stored)
-        state["_format_version"] = _FORMAT_VERSION
-        state["_class"] = type(self).__name__
-        if self._storage is not None:
-            for i, arr in enumerate(self._storage):
-                out = np.lib.format.open_memmap(
-                    os.path.join(path, f"leaf_{i}.npy"),
-                    mode="w+",
-                    dtype=arr.dtype,
-                    shape=arr.shape,
+        target = os.path.abspath(os.fspath(path))
+        parent, base = os.path.split(target)
+        if os.path.lexists(target) and not (
+            os.path.isdir(target) and not os.path.islink(target) and _is_saved_folder(target)
+        ):
+            raise ValueError(
+                f"{target!r} exists and is not a folder written by save(); not replacing it"
+            )
+        meta, arrays, generators = _split_state(self.__checkpoint_state__())
+        os.makedirs(parent, exist_ok=True)
+        staged, replaced = _leftovers(target)
+        interrupted = _interrupted_swap(target)
+        if interrupted is not None:  # finish the swap of a killed save: it was complete
+            os.rename(interrupted, target)
+            _fsync_path(parent)
+        for leftover in list(staged.values()) + list(replaced.values()):
+            if leftover != interrupted:
+                _remove_tree(leftover)
+        token = f"{time.time_ns():020d}-{secrets.token_hex(4)}"
+        staging = os.path.join(parent, f".{base}.saving-{token}")
+        os.mkdir(staging)
+        try:
+            files = []
+            for i, (key, index, arr) in enumerate(arrays):
+                file = f"leaf_{i}.npy"
+                _write_npy(os.path.join(staging, file), arr)
+                files.append(
+                    {
+                        "file": file,
+                        "key": key,
+                        "index": index,
+                        "dtype": arr.dtype.str,
+                        "shape": list(arr.shape),
+                    }
                 )
-                out[:] = arr
-                out.flush()
-                del out
-        dump(state, os.path.join(path, "meta.lz4"))
+            record = {
+                "format": _FOLDER_FORMAT,
+                "class": type(self).__name__,
+                "state": meta,
+                "files": files,
+                "generators": generators,
+            }
+            dump(record, os.path.join(staging, _META))  # written last: marks a complete folder
+            _fsync_path(staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if os.path.lexists(target):
+            old = os.path.join(parent, f".{base}.old-{token}")
+            os.rename(target, old)
+            os.rename(staging, target)
+            _fsync_path(parent)
+            _remove_tree(old)
+        else:
+            os.rename(staging, target)
+        _fsync_path(parent)
 
     @classmethod
     def load(cls, path: str | os.PathLike, mmap_mode: str | None = "c") -> Any:
         """Load a buffer written by :meth:`save`.
 
+        Everything read is checked: the metadata, each leaf file's dtype and shape against
+        it, and the whole state through :meth:`__checkpoint_restore__`.
+
         Parameters
         ----------
         path : str or os.PathLike
-            The directory given to :meth:`save`.
+            The folder given to :meth:`save`.
         mmap_mode : {"c", "r+", "r", None}, optional
             How the storage files are opened (see :func:`numpy.load`). The default ``"c"``
             memory-maps them copy-on-write: pages are read lazily from disk and new
             transitions stay in memory, leaving the files unchanged. ``"r+"`` writes new
             transitions through to the files, ``"r"`` gives a read-only buffer that can be
-            sampled but not added to, and ``None`` reads everything into memory.
+            sampled but not added to, and ``None`` reads everything into memory (the arrays
+            read become the storage: no second copy).
 
         Returns
         -------
@@ -473,32 +930,91 @@ class _RingStorage:
 
         Raises
         ------
+        FileNotFoundError
+            If ``path`` does not exist.
         ValueError
-            If the directory does not hold a buffer of this class.
+            If the folder is incomplete, does not hold a buffer of this class, or anything
+            in it is inconsistent; the message names the folder.
         """
         from coax_utils.utils import load
 
         if mmap_mode not in ("c", "r+", "r", None):
             raise ValueError(f"mmap_mode must be 'c', 'r+', 'r' or None, got {mmap_mode!r}")
-        path = os.fspath(path)
-        state = load(os.path.join(path, "meta.lz4"), safe=True)
-        if not isinstance(state, dict) or state.get("_class") != cls.__name__:
-            found = state.get("_class") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"{path!r} does not hold a saved {cls.__name__} (found {found!r})")
-        if state.pop("_format_version") != _FORMAT_VERSION:
-            raise ValueError(f"{path!r} was saved in an unsupported format version")
-        state.pop("_class")
-        n_files = state.pop("_leaf_files")
-        state["_storage"] = None
-        obj = cls.__new__(cls)
-        obj.__setstate__(state)
-        if n_files:
-            obj._storage = [
-                np.load(os.path.join(path, f"leaf_{i}.npy"), mmap_mode=mmap_mode)
-                for i in range(n_files)
-            ]
-            obj._set_treedef(jax.tree_util.tree_structure(state["_skeleton"]))
-        return obj
+        target = os.path.abspath(os.fspath(path))
+        folder = _interrupted_swap(target) or target
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"no saved buffer at {target!r}")
+        meta_path = os.path.join(folder, _META)
+
+        def bad(what: str) -> ValueError:
+            return ValueError(f"{folder!r} does not hold a complete saved {cls.__name__}: {what}")
+
+        if not os.path.isfile(meta_path):
+            raise bad(f"{_META} is missing (an incomplete save)")
+        try:
+            record = load(meta_path, safe=True)
+        except (ValueError, TypeError, OSError, EOFError) as e:
+            raise bad(f"{_META} cannot be read ({e})") from None
+        keys = ("format", "class", "state", "files", "generators")
+        if not isinstance(record, dict) or set(record) != set(keys):
+            raise bad(f"{_META} must hold a dict with the keys {list(keys)}")
+        if record["class"] != cls.__name__:
+            raise bad(f"it holds a {record['class']!r}")
+        if record["format"] != _FOLDER_FORMAT:
+            raise bad(f"unsupported format {record['format']!r}")
+        state, files, generators = record["state"], record["files"], record["generators"]
+        if not (isinstance(state, dict) and isinstance(files, list)):
+            raise bad("state must be a dict and files a list")
+        if not isinstance(generators, dict):
+            raise bad("generators must be a dict")
+        expected = {f"leaf_{i}.npy" for i in range(len(files))} | {_META}
+        if set(os.listdir(folder)) != expected:
+            raise bad(f"it must hold exactly {sorted(expected)}, found {os.listdir(folder)}")
+        state = dict(state)
+        for i, entry in enumerate(files):
+            if not (isinstance(entry, dict) and entry.get("file") == f"leaf_{i}.npy"):
+                raise bad(f"files[{i}] must describe leaf_{i}.npy")
+            arr = cls._read_leaf(os.path.join(folder, entry["file"]), entry, mmap_mode, bad)
+            key, index = entry.get("key"), entry.get("index")
+            place = state.get(key) if isinstance(key, str) else "missing"
+            if index is None and place is None and key in state:
+                state[key] = arr
+            elif _is_int(index) and isinstance(place, list) and 0 <= index < len(place):
+                if place[index] is not None:
+                    raise bad(f"files[{i}] points at {key}[{index}], which is not empty")
+                state[key] = place = list(place)
+                place[index] = arr
+            else:
+                raise bad(f"files[{i}] points at {key!r}[{index!r}], not an empty place")
+        for key, generator in generators.items():
+            if key not in state or state[key] is not None:
+                raise bad(f"generator {key!r} has no empty place in the state")
+            try:
+                state[key] = _generator(generator, key)
+            except ValueError as e:
+                raise bad(str(e)) from None
+        try:
+            return cls.__checkpoint_restore__(state)
+        except (TypeError, ValueError) as e:
+            raise bad(str(e)) from None
+
+    @staticmethod
+    def _read_leaf(path: str, entry: dict, mmap_mode: str | None, bad: Any) -> np.ndarray:
+        dtype, shape = entry.get("dtype"), entry.get("shape")
+        if not (isinstance(dtype, str) and isinstance(shape, list)):
+            raise bad(f"{entry['file']}: dtype and shape must be recorded")
+        try:
+            np_dtype = np.dtype(dtype)
+            empty = int(np.prod(shape, dtype=np.int64)) == 0
+            arr = np.load(path, mmap_mode=None if empty else mmap_mode, allow_pickle=False)
+        except (TypeError, ValueError, OSError, EOFError) as e:
+            raise bad(f"{entry['file']} cannot be read ({e})") from None
+        if arr.dtype != np_dtype or list(arr.shape) != shape:
+            raise bad(
+                f"{entry['file']} holds {arr.dtype}{list(arr.shape)}, the metadata says "
+                f"{dtype}{shape}"
+            )
+        return arr
 
 
 class SimpleReplayBuffer(_RingStorage):
@@ -558,36 +1074,47 @@ class SimpleReplayBuffer(_RingStorage):
         TypeError
             If ``transition_batch`` is not a :class:`TransitionBatch`.
         ValueError
-            If its structure, per-item shapes or dtypes differ from the stored transitions, or
-            its fields disagree on the batch size. The buffer is unchanged.
+            If its structure, per-item shapes or dtypes differ from the stored transitions, its
+            fields disagree on the batch size, or ``W`` is not one float per transition. The
+            buffer is unchanged.
         """
-        leaves, treedef, batch_size = self._flatten(transition_batch)
-        ends = self._check_episode_end(episode_end, batch_size)
-        self._write(leaves, treedef, batch_size, ends)
+        self._add(transition_batch, None, episode_end)
 
-    def sample(self, batch_size: int = 32) -> TransitionBatch:
+    def sample(
+        self, batch_size: int = 32, *, out: TransitionBatch | None = None
+    ) -> TransitionBatch:
         """Sample a batch of transitions uniformly (with replacement).
 
         Parameters
         ----------
         batch_size : int, optional
             The number of transitions.
+        out : TransitionBatch, optional
+            An earlier sample of the same size from this buffer whose arrays the new sample
+            is written into (and which is returned): large batches (e.g. Atari frames) then
+            skip the page faults of fresh memory. Only pass a batch that nothing else uses
+            any more.
 
         Returns
         -------
         transitions : TransitionBatch
-            Fresh arrays (not views of the storage), with ``idx`` set to the transition ids
-            and ``W`` to the stored sample weights.
+            Fresh arrays (not views of the storage) or those of ``out``, with ``idx`` set to
+            the transition ids and ``W`` to the stored sample weights.
 
         Raises
         ------
+        TypeError
+            If ``out`` is not a :class:`TransitionBatch`.
         ValueError
-            If the buffer is empty or ``batch_size`` is not positive.
+            If the buffer is empty, ``batch_size`` is not positive, or ``out`` does not have
+            the structure, shapes and dtypes of such a sample in writable arrays of its own.
+            Nothing is drawn from the random stream.
         """
         batch_size = self._check_nonempty(batch_size)
+        targets = self._check_out(out, batch_size)
         # floor(u * n) with 53-bit uniform u: uniform up to a bias of n / 2**53
         slots = (self._rng.random(batch_size) * len(self)).astype(np.int64)
-        return self._gather(slots)
+        return self._gather(slots, out=targets)
 
     def __repr__(self) -> str:
         return f"SimpleReplayBuffer(capacity={self._capacity}, len={len(self)})"
@@ -679,13 +1206,17 @@ class PrioritizedReplayBuffer(_RingStorage):
 
     @property
     def alpha(self) -> float:
-        """The priority exponent :math:`\\alpha` (settable; re-weights stored transitions)."""
+        """The priority exponent :math:`\\alpha` (settable; re-weights stored transitions).
+
+        A value that makes a stored priority or their total overflow is refused
+        (ValueError) and nothing changes."""
         return self._alpha
 
     @alpha.setter
     def alpha(self, value: float) -> None:
-        self._alpha = self._check_exponent("alpha", value)
-        self._refresh_priorities()
+        alpha = self._check_exponent("alpha", value)
+        self._refresh_priorities(alpha, self._epsilon)
+        self._alpha = alpha
 
     @property
     def beta(self) -> float:
@@ -698,29 +1229,37 @@ class PrioritizedReplayBuffer(_RingStorage):
 
     @property
     def epsilon(self) -> float:
-        """The regulator :math:`\\epsilon` (settable; re-weights stored transitions)."""
+        """The regulator :math:`\\epsilon` (settable; re-weights stored transitions, refused
+        like :attr:`alpha` when a priority would overflow)."""
         return self._epsilon
 
     @epsilon.setter
     def epsilon(self, value: float) -> None:
-        self._epsilon = self._check_epsilon(value)
-        self._refresh_priorities()
+        epsilon = self._check_epsilon(value)
+        self._refresh_priorities(self._alpha, epsilon)
+        self._epsilon = epsilon
 
-    def _priority(self, abs_adv: np.ndarray) -> np.ndarray:
-        return np.power(abs_adv + self._epsilon, self._alpha)
+    def _priority(self, abs_adv: np.ndarray, alpha: float, epsilon: float) -> np.ndarray:
+        """``(|Adv| + epsilon) ** alpha``, checked finite (ValueError naming the value)."""
+        with np.errstate(over="ignore"):
+            p = np.power(abs_adv + epsilon, alpha)
+        bad = ~np.isfinite(p)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise ValueError(
+                f"the priority (|Adv| + epsilon) ** alpha of |Adv| = {abs_adv[k]} overflows "
+                f"(alpha={alpha}, epsilon={epsilon}); nothing was changed"
+            )
+        return p
 
-    def _refresh_priorities(self) -> None:
-        n = len(self)
-        if n:
-            slots = np.arange(n)
-            self._tree.set_values(slots, self._priority(self._abs_adv[slots]))
+    def _refresh_priorities(self, alpha: float, epsilon: float) -> None:
+        slots = np.arange(len(self))
+        self._tree.set_values(slots, self._priority(self._abs_adv[slots], alpha, epsilon))
 
     # -- core ------------------------------------------------------------------------------
 
     def clear(self) -> None:
         """Remove all transitions and priorities (the RNG stream continues)."""
-        from coax_utils.utils._segment_tree import SumTree
-
         super().clear()
         self._tree = SumTree(self._capacity)
         self._abs_adv = np.zeros(self._capacity, np.float64)
@@ -728,19 +1267,32 @@ class PrioritizedReplayBuffer(_RingStorage):
 
     @staticmethod
     def _check_adv(Adv: Any, shape: tuple, what: str) -> np.ndarray:
+        """``|Adv|`` as float64 of the given shape, all finite."""
         adv = np.asarray(Adv)
         if adv.dtype.kind not in "biuf":
             raise TypeError(f"Adv must be a numeric array, got dtype {adv.dtype}")
-        adv = adv.astype(np.float64)
         if adv.shape != shape:
             raise ValueError(f"Adv must have shape {shape} (one per {what}), got {adv.shape}")
+        adv = np.abs(adv.astype(np.float64))
         if not np.all(np.isfinite(adv)):
             raise ValueError(f"Adv must be finite (no NaN or inf), got {Adv!r}")
-        if np.any(adv < 0):
-            raise ValueError(
-                f"Adv must be non-negative (pass magnitudes, e.g. np.abs(td_error)), got {Adv!r}"
-            )
         return adv
+
+    def _check_new_priorities(self, Adv: Any, batch_size: int) -> Any:
+        if Adv is None:
+            default = 1.0 if self._max_abs_adv is None else self._max_abs_adv
+            abs_adv = np.full(batch_size, default)
+        else:
+            abs_adv = self._check_adv(Adv, (batch_size,), "transition")
+        return abs_adv, self._priority(abs_adv, self._alpha, self._epsilon), Adv is not None
+
+    def _set_new_priorities(self, slots: np.ndarray, priorities: Any, keep: slice) -> None:
+        abs_adv, p, given = priorities
+        abs_adv, p = abs_adv[keep], p[keep]
+        self._tree.set_values(slots, p)  # refuses a total that overflows, changing nothing
+        self._abs_adv[slots] = abs_adv
+        if given and len(abs_adv):
+            self._max_abs_adv = max(self._max_abs_adv or 0.0, float(abs_adv.max()))
 
     def add(
         self, transition_batch: TransitionBatch, Adv: Any = None, *, episode_end: Any = None
@@ -752,40 +1304,36 @@ class PrioritizedReplayBuffer(_RingStorage):
         transition_batch : TransitionBatch
             The transitions.
         Adv : array of shape ``(batch_size,)``, optional
-            Non-negative advantages (e.g. absolute TD errors) that set the priorities.
-            Without it, the transitions get the largest :math:`|\\mathcal{A}|` seen so far.
+            Advantages (e.g. TD errors), of either sign: the priorities use
+            :math:`|\\mathcal{A}|`, as in coax. Without it, the transitions get the largest
+            :math:`|\\mathcal{A}|` seen so far.
         episode_end : bool or array of bool, optional
             Marks rows that end their episode (see :meth:`SimpleReplayBuffer.add`).
 
         Raises
         ------
         TypeError
-            If ``transition_batch`` is not a :class:`TransitionBatch`.
+            If ``transition_batch`` is not a :class:`TransitionBatch` or ``Adv`` is not
+            numeric.
         ValueError
-            If the batch does not match the stored transitions, or ``Adv`` has the wrong
-            shape or holds NaN or infinite values. The buffer is unchanged.
+            If the batch does not match the stored transitions, ``Adv`` has the wrong shape
+            or holds NaN or infinite values, or a priority or the total of the priorities
+            would overflow. Every check runs before the first write: the buffer (storage,
+            priorities, ids, RNG) is unchanged.
         """
-        leaves, treedef, batch_size = self._flatten(transition_batch)
-        ends = self._check_episode_end(episode_end, batch_size)
-        if Adv is None:
-            default = 1.0 if self._max_abs_adv is None else self._max_abs_adv
-            abs_adv = np.full(batch_size, default)
-        else:
-            abs_adv = self._check_adv(Adv, (batch_size,), "transition")
-        slots, _ = self._write(leaves, treedef, batch_size, ends)
-        abs_adv = abs_adv[batch_size - len(slots) :]
-        self._abs_adv[slots] = abs_adv
-        self._tree.set_values(slots, self._priority(abs_adv))
-        if Adv is not None and batch_size:
-            self._max_abs_adv = max(self._max_abs_adv or 0.0, float(abs_adv.max()))
+        self._add(transition_batch, Adv, episode_end)
 
-    def sample(self, batch_size: int = 32) -> TransitionBatch:
+    def sample(
+        self, batch_size: int = 32, *, out: TransitionBatch | None = None
+    ) -> TransitionBatch:
         """Sample a batch of transitions in proportion to their priorities.
 
         Parameters
         ----------
         batch_size : int, optional
             The number of transitions (drawn with replacement).
+        out : TransitionBatch, optional
+            An earlier sample to write into, as in :meth:`SimpleReplayBuffer.sample`.
 
         Returns
         -------
@@ -795,68 +1343,104 @@ class PrioritizedReplayBuffer(_RingStorage):
 
         Raises
         ------
-        ValueError
-            If the buffer is empty or ``batch_size`` is not positive.
+        TypeError, ValueError
+            If the buffer is empty, ``batch_size`` is not positive or ``out`` does not fit
+            (see :meth:`SimpleReplayBuffer.sample`); nothing is drawn.
         """
         batch_size = self._check_nonempty(batch_size)
+        targets = self._check_out(out, batch_size)
         u = self._rng.random(batch_size)
         slots = np.asarray(self._tree.inverse_cdf(u), dtype=np.int64)
         prob = self._tree.values[slots] / self._tree.root_value
         W = np.power(len(self) * prob, -self._beta)
         W /= W.max()
-        return self._gather(slots, W)
+        return self._gather(slots, W, targets)
 
     def update(self, idx: Any, Adv: Any) -> None:
         """Update the priorities of transitions sampled earlier.
 
         Ids of transitions that were overwritten since they were sampled are ignored (their
-        slot now holds another transition). With duplicate ids, the last value wins.
+        slot now holds another transition), and so are ids the buffer has not issued yet, as
+        in coax. With duplicate ids, the last value wins.
 
         Parameters
         ----------
         idx : array of int, shape ``(k,)``
             Transition ids, the ``idx`` of a sampled batch.
         Adv : array, shape ``(k,)``
-            The new non-negative advantages (e.g. absolute TD errors).
+            The new advantages (e.g. TD errors), of either sign: the priorities use
+            :math:`|\\mathcal{A}|`.
 
         Raises
         ------
+        TypeError
+            If ``idx`` is not integers or ``Adv`` not numbers.
         ValueError
-            If the shapes differ, ids are negative or not integers, or ``Adv`` holds negative,
-            NaN or infinite values. Nothing is changed.
+            If the shapes differ, an id is negative or beyond int64 (ids never wrap), ``Adv``
+            holds NaN or infinite values, or a priority or their total would overflow.
+            Nothing is changed.
         """
-        idx = np.asarray(idx)
-        if idx.ndim != 1 or idx.dtype.kind not in "iu":
-            raise ValueError(f"idx must be a 1-d array of ints, got {idx.dtype}{list(idx.shape)}")
+        idx = _check_ids(idx)
         abs_adv = self._check_adv(Adv, idx.shape, "idx")
-        if idx.size and idx.min() < 0:
-            raise ValueError(f"idx must be non-negative transition ids, got {idx.min()}")
-        idx = idx.astype(np.int64)
+        p = self._priority(abs_adv, self._alpha, self._epsilon)
         slots = idx % self._capacity
         live = self._ids[slots] == idx
-        slots, abs_adv = slots[live], abs_adv[live]
+        slots, abs_adv, p = slots[live], abs_adv[live], p[live]
         if slots.size:
             # last write wins for duplicates: keep the last occurrence of each slot
             rev_unique = np.unique(slots[::-1], return_index=True)[1]
             keep = len(slots) - 1 - rev_unique
-            slots, abs_adv = slots[keep], abs_adv[keep]
+            slots, abs_adv, p = slots[keep], abs_adv[keep], p[keep]
+            self._tree.set_values(slots, p)  # refuses a total that overflows
             self._abs_adv[slots] = abs_adv
-            self._tree.set_values(slots, self._priority(abs_adv))
             self._max_abs_adv = max(self._max_abs_adv or 0.0, float(abs_adv.max()))
 
-    # -- persistence -----------------------------------------------------------------------
+    # -- checkpoints -----------------------------------------------------------------------
 
-    def __getstate__(self) -> dict:
-        state = super().__getstate__()
-        state.pop("_tree")  # rebuilt from _abs_adv on load
-        return state
+    _STATE_KEYS = _RingStorage._STATE_KEYS + (
+        "alpha",
+        "beta",
+        "epsilon",
+        "abs_adv",
+        "max_abs_adv",
+    )
 
-    def __setstate__(self, state: dict) -> None:
-        from coax_utils.utils._segment_tree import SumTree
+    def _extra_state(self) -> dict[str, Any]:
+        # the sum tree is rebuilt from abs_adv on restore, so it always agrees with it
+        return {
+            "alpha": self._alpha,
+            "beta": self._beta,
+            "epsilon": self._epsilon,
+            "abs_adv": self._abs_adv,
+            "max_abs_adv": self._max_abs_adv,
+        }
 
-        super().__setstate__(state)
-        self._tree = SumTree(self._capacity)
-        self._refresh_priorities()
+    def _restore_extra(self, state: dict[str, Any]) -> None:
+        name = type(self).__name__
+        try:
+            self._alpha = self._check_exponent("alpha", state["alpha"])
+            self._beta = self._check_exponent("beta", state["beta"])
+            self._epsilon = self._check_epsilon(state["epsilon"])
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name} state: {e}") from None
+        abs_adv = _check_array(state, "abs_adv", name, np.float64, (self._capacity,))
+        top = state["max_abs_adv"]
+        if top is not None and not (
+            isinstance(top, (float, int)) and not isinstance(top, bool) and 0 <= top < np.inf
+        ):
+            raise ValueError(f"{name} state: max_abs_adv must be None or a finite float >= 0")
+        n = len(self)
+        bound = max(1.0 if top is None else top, 1.0)  # rows added without Adv get max(1, top)
+        filled = abs_adv[:n]
+        if not (np.all(np.isfinite(filled)) and np.all(filled >= 0) and np.all(filled <= bound)):
+            raise ValueError(
+                f"{name} state: abs_adv of stored transitions must be finite, >= 0 and at most "
+                f"max(max_abs_adv, 1) = {bound}"
+            )
+        if np.any(abs_adv[n:] != 0):
+            raise ValueError(f"{name} state: abs_adv must be 0 in empty slots")
+        self._abs_adv, self._max_abs_adv = abs_adv, None if top is None else float(top)
+        self._refresh_priorities(self._alpha, self._epsilon)
 
     def __repr__(self) -> str:
         return (

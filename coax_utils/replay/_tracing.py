@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from coax_utils.replay._transition import TransitionBatch
+from coax_utils.replay._transition import TransitionBatch, check_state_keys
 
 __all__ = ["EpisodeDoneError", "InsufficientCacheError", "MonteCarlo", "NStep"]
 
@@ -21,10 +21,99 @@ class InsufficientCacheError(IndexError):
     """Raised when popping or flushing a tracer that has no complete transition yet."""
 
 
+def _check_finite(name: str, value: Any) -> None:
+    try:
+        finite = np.all(np.isfinite(np.asarray(value, dtype=np.float64)))
+    except (TypeError, ValueError):
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+def _check_gamma(gamma: Any) -> float:
+    if isinstance(gamma, (bool, str)) or np.ndim(gamma) != 0:
+        raise TypeError(f"gamma must be a float in [0, 1], got {gamma!r}")
+    if np.asarray(gamma).dtype.kind not in "iuf":
+        raise TypeError(f"gamma must be a float in [0, 1], got {gamma!r}")
+    if not 0.0 <= float(gamma) <= 1.0:
+        raise ValueError(f"gamma must lie in [0, 1], got {gamma!r}")
+    return float(gamma)
+
+
 class _BaseTracer(abc.ABC):
     """Shared bookkeeping of the tracers: episode end, truncation and the final state."""
 
     gamma: float
+    _STATE_KEYS: tuple[str, ...] = ("gamma", "steps", "terminated", "truncated", "final")
+
+    def __checkpoint_state__(self) -> dict[str, Any]:
+        """The tracer as plain data: its settings, the cached ``steps`` (each a tuple
+        ``(s, a, r, logp, w)`` as given to :meth:`add`), the ``terminated`` and
+        ``truncated`` flags and ``final`` (the ``(s_next, a_next, logp_next)`` to bootstrap
+        from after a truncation, else None)."""
+        state = {
+            "gamma": self.gamma,
+            "steps": [tuple(step) for step in self._steps],
+            "terminated": self._terminated,
+            "truncated": self._truncated,
+            "final": self._final,
+        }
+        state.update(self._extra_state())
+        return {key: state[key] for key in self._STATE_KEYS}
+
+    @classmethod
+    def __checkpoint_restore__(cls, state: dict[str, Any]) -> Any:
+        """Rebuild a tracer from :meth:`__checkpoint_state__`, checking every field: the
+        settings, each step's finite ``r``, ``logp`` and ``w``, and that ``final`` is given
+        exactly after a truncation. Raises ValueError or TypeError naming what is wrong."""
+        name = cls.__name__
+        state = check_state_keys(state, cls._STATE_KEYS, name)
+        obj = cls.__new__(cls)
+        try:
+            obj.gamma = _check_gamma(state["gamma"])
+            obj._restore_extra(state)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name} state: {e}") from None
+        steps, final = state["steps"], state["final"]
+        terminated, truncated = state["terminated"], state["truncated"]
+        if not isinstance(steps, list):
+            raise TypeError(f"{name} state: steps must be a list, got {type(steps).__name__}")
+        for i, step in enumerate(steps):
+            if not (isinstance(step, (tuple, list)) and len(step) == 5):
+                raise ValueError(f"{name} state: steps[{i}] must be (s, a, r, logp, w)")
+            for field, value in zip(("r", "logp", "w"), step[2:]):
+                try:
+                    _check_finite(field, value)
+                except ValueError as e:
+                    raise ValueError(f"{name} state: steps[{i}]: {e}") from None
+        if not (isinstance(terminated, bool) and isinstance(truncated, bool)):
+            raise TypeError(f"{name} state: terminated and truncated must be bools")
+        if terminated and truncated:
+            raise ValueError(f"{name} state: an episode cannot be terminated and truncated")
+        if truncated != (final is not None):
+            raise ValueError(f"{name} state: final must be given exactly after a truncation")
+        if final is not None and not (isinstance(final, (tuple, list)) and len(final) == 3):
+            raise ValueError(f"{name} state: final must be (s_next, a_next, logp_next)")
+        obj.reset()
+        obj._steps = deque(tuple(step) for step in steps)
+        obj._terminated, obj._truncated = terminated, truncated
+        obj._final = None if final is None else tuple(final)
+        obj._restore_progress(state)
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self).__checkpoint_restore__, (self.__checkpoint_state__(),))
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _restore_extra(self, state: dict[str, Any]) -> None:
+        """Check and set the settings of a subclass (before ``reset``)."""
+        return None
+
+    def _restore_progress(self, state: dict[str, Any]) -> None:
+        """Check and set what a subclass tracks while popping (after ``reset``)."""
+        return None
 
     def reset(self) -> None:
         """Empty the tracer and forget the current episode."""
@@ -94,8 +183,7 @@ class _BaseTracer(abc.ABC):
                 "adding steps of a new episode"
             )
         for name, value in (("r", r), ("logp", logp), ("w", w)):
-            if not np.all(np.isfinite(np.asarray(value, dtype=np.float64))):
-                raise ValueError(f"{name} must be finite, got {value!r}")
+            _check_finite(name, value)
         if self._ended:  # previous episode fully consumed: start a new one
             self.reset()
         self._steps.append((s, a, r, logp, w))
@@ -181,16 +269,27 @@ class NStep(_BaseTracer):
     [2, 3]
     """
 
+    _STATE_KEYS = ("n", "record_extra_info") + _BaseTracer._STATE_KEYS
+
     def __init__(self, n: int, gamma: float, record_extra_info: bool = False) -> None:
+        self.gamma = _check_gamma(gamma)
+        self._set_n(n, bool(record_extra_info))
+        self.reset()
+
+    def _set_n(self, n: Any, record_extra_info: bool) -> None:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
-        if not 0.0 <= float(gamma) <= 1.0:
-            raise ValueError(f"gamma must lie in [0, 1], got {gamma!r}")
         self.n = int(n)
-        self.gamma = float(gamma)
-        self.record_extra_info = bool(record_extra_info)
+        self.record_extra_info = record_extra_info
         self._gammas = np.power(self.gamma, np.arange(self.n + 1))
-        self.reset()
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"n": self.n, "record_extra_info": self.record_extra_info}
+
+    def _restore_extra(self, state: dict[str, Any]) -> None:
+        if not isinstance(state["record_extra_info"], bool):
+            raise TypeError("record_extra_info must be a bool")
+        self._set_n(state["n"], state["record_extra_info"])
 
     def __bool__(self) -> bool:
         return len(self) > 0 and (self._ended or len(self) > self.n)
@@ -282,11 +381,24 @@ class MonteCarlo(_BaseTracer):
     ([2, 1, 0], [1.0, 1.5, 1.75], [0.0, 0.0, 0.0])
     """
 
+    _STATE_KEYS = _BaseTracer._STATE_KEYS + ("g", "k")
+
     def __init__(self, gamma: float) -> None:
-        if not 0.0 <= float(gamma) <= 1.0:
-            raise ValueError(f"gamma must lie in [0, 1], got {gamma!r}")
-        self.gamma = float(gamma)
+        self.gamma = _check_gamma(gamma)
         self.reset()
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"g": self._g, "k": self._k}
+
+    def _restore_progress(self, state: dict[str, Any]) -> None:
+        g, k = state["g"], state["k"]
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not np.isfinite(g):
+            raise ValueError(f"MonteCarlo state: g must be a finite float, got {g!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"MonteCarlo state: k must be an int >= 0, got {k!r}")
+        if not self._ended and (k or g):
+            raise ValueError("MonteCarlo state: g and k must be 0 before the episode ends")
+        self._g, self._k = float(g), k
 
     def reset(self) -> None:
         """Empty the tracer and forget the current episode."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
@@ -82,6 +83,48 @@ class TransitionBatch:
 
     def __len__(self) -> int:
         return self.batch_size
+
+    def copy(self, deep: bool = False) -> TransitionBatch:
+        """Create a copy of the batch, as coax's ``copy``.
+
+        Parameters
+        ----------
+        deep : bool, optional
+            Whether to copy the arrays too. A shallow copy (the default) is a new batch whose
+            fields refer to the same arrays.
+
+        Returns
+        -------
+        TransitionBatch
+            The copy.
+        """
+        return copy.deepcopy(self) if deep else copy.copy(self)
+
+    def __eq__(self, other: object) -> bool:
+        """Field-by-field comparison with :func:`numpy.allclose`, for any batch size.
+
+        Two batches are equal when they are of the same type and structure (the same fields
+        set, the same containers) and every pair of arrays has the same shape and is
+        :func:`numpy.allclose` (NaNs are unequal, as in coax).
+        """
+        if type(self) is not type(other):
+            return NotImplemented
+        leaves, treedef = jax.tree_util.tree_flatten(self)
+        other_leaves, other_treedef = jax.tree_util.tree_flatten(other)
+        if treedef != other_treedef:
+            return False
+        for a, b in zip(leaves, other_leaves):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.shape != b.shape:
+                return False
+            if a.dtype.kind in "biufc" and b.dtype.kind in "biufc":
+                if not np.allclose(a, b):
+                    return False
+            elif not np.array_equal(a, b):
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]  # mutable arrays: not hashable
 
     @classmethod
     def from_single(
@@ -181,3 +224,20 @@ class TransitionBatch:
             f"{f.name}={describe(getattr(self, f.name))}" for f in dataclasses.fields(self)
         )
         return f"TransitionBatch({parts})"
+
+
+def check_state_keys(state: Any, keys: tuple[str, ...], owner: str) -> dict[str, Any]:
+    """``state`` as a dict with exactly ``keys``, for ``__checkpoint_restore__`` methods.
+
+    Raises TypeError if it is not a dict and ValueError naming missing or unexpected keys.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"the state of a {owner} must be a dict, got {type(state).__name__}")
+    missing = [k for k in keys if k not in state]
+    extra = [k for k in state if k not in keys]
+    if missing or extra:
+        raise ValueError(
+            f"the state of a {owner} needs exactly the keys {list(keys)}; missing {missing}, "
+            f"unexpected {extra}"
+        )
+    return state

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -52,6 +52,37 @@ def _kernels() -> Any:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _numeric_array(x: Any, name: str) -> np.ndarray:
+    """``x`` as a float64 array; TypeError for anything that is not numbers (e.g. strings)."""
+    try:
+        arr = np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be numbers, got {x!r}") from e
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"{name} must be numbers, got {x!r} (dtype {arr.dtype})")
+    return arr.astype(np.float64)
+
+
+def _checked_state(state: Any, keys: tuple[str, ...], owner: str) -> dict[str, Any]:
+    """``state`` as a dict with exactly ``keys`` (ValueError/TypeError naming what is off)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"the state of a {owner} must be a dict, got {type(state).__name__}")
+    missing = [k for k in keys if k not in state]
+    extra = [k for k in state if k not in keys]
+    if missing or extra:
+        raise ValueError(
+            f"the state of a {owner} needs exactly the keys {list(keys)}; missing {missing}, "
+            f"unexpected {extra}"
+        )
+    return state
+
+
+_Tree = TypeVar("_Tree", bound="SegmentTree")
+
+# reducers a checkpoint names by string (numpy ufuncs of two arguments, found by name)
+_REDUCER_NAMES = {operator.add: "add", min: "minimum", max: "maximum"}
 
 
 class SegmentTree:
@@ -106,16 +137,132 @@ class SegmentTree:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if not callable(reducer):
             raise TypeError(f"reducer must be callable, got {reducer!r}")
-        self.capacity = int(capacity)
+        self._setup(int(capacity), reducer, float(init_value), None)
+
+    def _setup(
+        self, capacity: int, reducer: Callable, init_value: float, arr: np.ndarray | None
+    ) -> None:
+        self.capacity = capacity
         self.reducer = reducer
-        self.init_value = float(init_value)
+        self.init_value = init_value
         self._height = (self.capacity - 1).bit_length() + 1
         self._num_leaves = 1 << (self._height - 1)
-        self._arr = np.full(2 * self._num_leaves, self.init_value, dtype=np.float64)
+        if arr is None:
+            arr = np.full(2 * self._num_leaves, self.init_value, dtype=np.float64)
+        self._arr = arr
         self._op = _OPS.get(reducer, -1)
         # element-wise form of the reducer for the NumPy code (builtin min/max are not)
         self._ufunc = (np.add, np.minimum, np.maximum)[self._op] if self._op >= 0 else reducer
         self._nonneg_finite = False
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def __checkpoint_state__(self) -> dict[str, Any]:
+        """The tree as plain data: ``capacity``, ``nodes`` (the whole heap, a view of the
+        storage) and, for a plain :class:`SegmentTree`, ``reducer`` (the name of a NumPy
+        ufunc, or the callable itself for other reducers, which only a trusted checkpoint can
+        hold) and ``init_value``; for a :class:`SumTree` also ``rng`` (its sampling
+        :class:`numpy.random.Generator`) and ``random_seed``."""
+        reducer = self.reducer
+        if isinstance(reducer, np.ufunc):
+            reducer = reducer.__name__
+        elif reducer in _REDUCER_NAMES:
+            reducer = _REDUCER_NAMES[reducer]
+        seed = getattr(self, "_random_seed", None)
+        state = {
+            "capacity": self.capacity,
+            "reducer": reducer,
+            "init_value": self.init_value,
+            "nodes": self._arr,
+            "rng": getattr(self, "_rng", None),
+            "random_seed": int(seed) if _is_int(seed) else None,
+        }
+        return {key: state[key] for key in self._STATE_KEYS}
+
+    @classmethod
+    def __checkpoint_restore__(cls: type[_Tree], state: dict[str, Any]) -> _Tree:
+        """Rebuild a tree from :meth:`__checkpoint_state__`, checking every invariant.
+
+        ``nodes`` is adopted as the storage when it is a writable, C-contiguous float64
+        array. Raises ValueError (TypeError for a wrong type) naming what is wrong: the
+        capacity, the length of ``nodes``, values that the tree refuses, padding that is not
+        the unit element, or a parent that is not the reduction of its children.
+        """
+        state = _checked_state(state, cls._STATE_KEYS, cls.__name__)
+        tree = cls.__new__(cls)
+        reducer, init_value = cls._restore_reducer(state)
+        capacity = state["capacity"]
+        if not _is_int(capacity):
+            raise TypeError(f"{cls.__name__} state: capacity must be an int, got {capacity!r}")
+        if capacity < 1:
+            raise ValueError(f"{cls.__name__} state: capacity must be >= 1, got {capacity}")
+        nodes = state["nodes"]
+        if not isinstance(nodes, np.ndarray) or nodes.dtype != np.float64:
+            raise TypeError(f"{cls.__name__} state: nodes must be a float64 array, got {nodes!r}")
+        if not (nodes.flags.writeable and nodes.flags.c_contiguous):
+            nodes = np.array(nodes, order="C")
+        tree._setup(int(capacity), reducer, init_value, nodes)
+        tree._restore_extra(state)
+        tree._check_nodes()
+        return tree
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self).__checkpoint_restore__, (self.__checkpoint_state__(),))
+
+    _STATE_KEYS: tuple[str, ...] = ("capacity", "reducer", "init_value", "nodes")
+    # the reducer and unit of the subclasses, whose states do not name them
+    _FIXED: tuple[Callable, float] | None = None
+
+    @classmethod
+    def _restore_reducer(cls, state: dict[str, Any]) -> tuple[Callable, float]:
+        if cls._FIXED is not None:
+            return cls._FIXED
+        reducer, init_value = state["reducer"], state["init_value"]
+        if isinstance(reducer, str):
+            ufunc = getattr(np, reducer, None)
+            if not (isinstance(ufunc, np.ufunc) and ufunc.nin == 2 and ufunc.nout == 1):
+                raise ValueError(
+                    f"{cls.__name__} state: reducer {reducer!r} is not a NumPy ufunc of two "
+                    "arguments"
+                )
+            reducer = ufunc
+        elif not callable(reducer):
+            raise TypeError(f"{cls.__name__} state: reducer must be a str, got {reducer!r}")
+        if isinstance(init_value, bool) or not isinstance(init_value, (int, float)):
+            raise TypeError(f"{cls.__name__} state: init_value must be a float, got {init_value!r}")
+        return reducer, float(init_value)
+
+    def _restore_extra(self, state: dict[str, Any]) -> None:
+        """Restore what a subclass adds to the state (nothing here)."""
+
+    def _check_nodes(self) -> None:
+        """Check the heap of a restored tree: size, values, padding and every parent."""
+        arr, n_leaves, name = self._arr, self._num_leaves, type(self).__name__
+        if arr.shape != (2 * n_leaves,):
+            raise ValueError(
+                f"{name} state: nodes must have shape ({2 * n_leaves},) for capacity "
+                f"{self.capacity}, got {arr.shape}"
+            )
+        values = arr[n_leaves : n_leaves + self.capacity]
+        bad = np.isnan(values)
+        if self._nonneg_finite:
+            bad |= ~np.isfinite(values) | (values < 0)
+        if bad.any():
+            raise ValueError(f"{name} state: {self._value_error(values, int(np.argmax(bad)))}")
+        unused = np.concatenate([arr[:1], arr[n_leaves + self.capacity :]])
+        if not np.array_equal(unused, np.full_like(unused, self.init_value), equal_nan=True):
+            raise ValueError(f"{name} state: unused nodes must hold init_value {self.init_value}")
+        with np.errstate(over="ignore", invalid="ignore"):
+            parents = np.asarray(self._ufunc(arr[2 : 2 * n_leaves : 2], arr[3 : 2 * n_leaves : 2]))
+        wrong = parents != arr[1:n_leaves]
+        if wrong.any():
+            k = int(np.argmax(wrong)) + 1
+            raise ValueError(
+                f"{name} state: node {k} holds {arr[k]}, not the reduction {parents[k - 1]} of "
+                "its children"
+            )
+        if self._nonneg_finite and not np.isfinite(arr[1]):
+            raise ValueError(f"{name} state: the total of the values is not finite")
 
     # -- properties and lookups --------------------------------------------------------------
 
@@ -171,20 +318,26 @@ class SegmentTree:
             idx = np.asarray(idx)  # e.g. a jax.Array
         if idx is None or idx is Ellipsis:
             idx = np.arange(self.capacity, dtype=np.int64)
-        elif _is_int(idx):
-            idx = np.array([idx], dtype=np.int64)
-        elif isinstance(idx, list) and all(_is_int(i) for i in idx):
-            idx = np.array(idx, dtype=np.int64).reshape(-1)
+        elif _is_int(idx) or (isinstance(idx, list) and all(_is_int(i) for i in idx)):
+            ints = [int(i) for i in np.atleast_1d(np.asarray(idx, dtype=object))]
+            for p, i in enumerate(ints):  # Python ints of any size: check before converting
+                if not -self.capacity <= i < self.capacity:
+                    raise self._index_error(ints, p)
+            idx = np.array(ints, dtype=np.int64)
         elif isinstance(idx, np.ndarray) and idx.ndim <= 1 and np.issubdtype(idx.dtype, np.integer):
-            idx = idx.astype(np.int64).reshape(-1)  # always a copy: kernels normalize in place
+            idx = idx.reshape(-1)
+            # compare in the array's own dtype: uint64 2**64 - 1 must not wrap to -1
+            bad = idx >= self.capacity
+            if idx.dtype.kind == "i":
+                bad |= idx < -self.capacity
+            if bad.any():
+                raise self._index_error(idx, int(np.argmax(bad)))
+            idx = idx.astype(np.int64)  # always a copy: kernels normalize in place
         else:
             raise IndexError(
                 f"idx must be an int, a list of ints, a 1-d integer array, ... or None; got {idx!r}"
             )
-        try:
-            values = np.asarray(values, dtype=np.float64)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"values must be numbers, got {values!r}") from e
+        values = _numeric_array(values, "values")
         if values.ndim == 0:
             values = np.full(idx.shape, values, dtype=np.float64)
         elif values.shape != idx.shape:
@@ -199,7 +352,7 @@ class SegmentTree:
         what = "finite, non-negative" if self._nonneg_finite else "non-NaN"
         return ValueError(f"values must be {what} numbers; got values[{position}] = {v}")
 
-    def _index_error(self, idx: np.ndarray, position: int) -> IndexError:
+    def _index_error(self, idx: Any, position: int) -> IndexError:
         return IndexError(
             f"idx[{position}] = {idx[position]} is out of range for capacity {self.capacity}"
         )
@@ -222,9 +375,12 @@ class SegmentTree:
         ------
         IndexError
             If ``idx`` has a wrong type or an entry is out of range.
+        TypeError
+            If ``values`` are not numbers (e.g. strings).
         ValueError
             If the number of values does not match ``idx``, or a value is NaN (for
-            :class:`SumTree` also negative or infinite).
+            :class:`SumTree` also negative or infinite, or the total would overflow to
+            infinity).
         """
         idx, values = self._check_idx_values(idx, values)
         kernels = _kernels() if self._op >= 0 else None
@@ -242,8 +398,16 @@ class SegmentTree:
                 raise self._index_error(idx, pos)
             if code == kernels.BAD_VALUE:
                 raise self._value_error(values, pos)
+            if code == kernels.BAD_TOTAL:
+                raise self._total_error()
             return
         self._set_values_numpy(idx, values)
+
+    def _total_error(self) -> ValueError:
+        return ValueError(
+            f"the values would make the total of the {type(self).__name__} overflow to "
+            "infinity; nothing was written"
+        )
 
     def _set_values_numpy(self, idx: np.ndarray, values: np.ndarray) -> None:
         bad = (idx < -self.capacity) | (idx >= self.capacity)
@@ -257,11 +421,20 @@ class SegmentTree:
         idx = idx % self.capacity
         # last write wins: keep the last occurrence of every index
         uniq, first_in_reversed = np.unique(idx[::-1], return_index=True)
-        self._arr[self._num_leaves + uniq] = values[::-1][first_in_reversed]
+        old = self._arr[self._num_leaves + uniq]
+        self._write_leaves(uniq, values[::-1][first_in_reversed])
+        if self._nonneg_finite and not np.isfinite(self._arr[1]):
+            # undone exactly: every parent is recomputed from the restored children
+            self._write_leaves(uniq, old)
+            raise self._total_error()
+
+    def _write_leaves(self, uniq: np.ndarray, values: np.ndarray) -> None:
+        self._arr[self._num_leaves + uniq] = values
         nodes = uniq + self._num_leaves
-        for _ in range(self._height - 1):
-            nodes = np.unique(nodes >> 1)
-            self._arr[nodes] = self._ufunc(self._arr[2 * nodes], self._arr[2 * nodes + 1])
+        with np.errstate(over="ignore"):  # an overflowing total is checked (and undone) after
+            for _ in range(self._height - 1):
+                nodes = np.unique(nodes >> 1)
+                self._arr[nodes] = self._ufunc(self._arr[2 * nodes], self._arr[2 * nodes + 1])
 
     # -- reductions --------------------------------------------------------------------------
 
@@ -392,8 +565,24 @@ class SumTree(SegmentTree):
 
     def __init__(self, capacity: int, random_seed: int | None = None):
         super().__init__(capacity=capacity, reducer=np.add, init_value=0.0)
-        self._nonneg_finite = True
         self.random_seed = random_seed
+
+    def _setup(self, capacity: int, reducer: Callable, init_value: float, arr: Any) -> None:
+        super()._setup(capacity, reducer, init_value, arr)
+        self._nonneg_finite = True
+
+    # the checkpoint state also holds the sampling Generator ``rng`` and ``random_seed`` (an
+    # int or None; other seed objects are recorded as None)
+    _STATE_KEYS = ("capacity", "nodes", "rng", "random_seed")
+    _FIXED = (np.add, 0.0)
+
+    def _restore_extra(self, state: dict[str, Any]) -> None:
+        rng, seed = state["rng"], state["random_seed"]
+        if not isinstance(rng, np.random.Generator):
+            raise TypeError(f"SumTree state: rng must be a numpy Generator, got {rng!r}")
+        if seed is not None and not _is_int(seed):
+            raise TypeError(f"SumTree state: random_seed must be an int or None, got {seed!r}")
+        self._rng, self._random_seed = rng, seed
 
     @property
     def random_seed(self) -> int | None:
@@ -455,15 +644,12 @@ class SumTree(SegmentTree):
         Raises
         ------
         TypeError
-            If ``u`` is not numeric.
+            If ``u`` is not numeric (e.g. a string).
         ValueError
             If an entry of ``u`` lies outside :math:`[0, 1]` (or is NaN), or all values are
             zero.
         """
-        try:
-            u_arr = np.asarray(u, dtype=np.float64)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"u must be a float or an array of floats, got {u!r}") from e
+        u_arr = _numeric_array(u, "u")
         if not np.all((u_arr >= 0) & (u_arr <= 1)):
             raise ValueError(f"all entries of u must lie in [0, 1], got {u!r}")
         if not self._arr[1] > 0:
@@ -510,6 +696,9 @@ class MinTree(SegmentTree):
     def __init__(self, capacity: int):
         super().__init__(capacity=capacity, reducer=np.minimum, init_value=float("inf"))
 
+    _STATE_KEYS = ("capacity", "nodes")
+    _FIXED = (np.minimum, float("inf"))
+
 
 class MaxTree(SegmentTree):
     r"""A max tree: a :class:`SegmentTree` whose reducer is :data:`numpy.maximum`.
@@ -531,3 +720,6 @@ class MaxTree(SegmentTree):
 
     def __init__(self, capacity: int):
         super().__init__(capacity=capacity, reducer=np.maximum, init_value=-float("inf"))
+
+    _STATE_KEYS = ("capacity", "nodes")
+    _FIXED = (np.maximum, -float("inf"))

@@ -18,6 +18,7 @@ OP_MAX = 2
 OK = 0
 BAD_INDEX = 1
 BAD_VALUE = 2
+BAD_TOTAL = 3  # the root would not be finite (sum trees): the write was undone exactly
 
 
 @numba.njit(cache=True, inline="always")
@@ -30,12 +31,33 @@ def _reduce(op, a, b):
 
 
 @numba.njit(cache=True)
+def _fix_ancestors(arr, num_leaves, op, idx):
+    # Walk up from every written leaf, recomputing each parent from its two children. A walk
+    # may stop at a node whose value does not change: its ancestors already agree with it.
+    # Walks run one after the other, so every change of a node is followed by a recompute of
+    # its parent; the end state is the same as recomputing every ancestor.
+    for p in range(idx.shape[0]):
+        node = (num_leaves + idx[p]) >> 1
+        while node >= 1:
+            new = _reduce(op, arr[2 * node], arr[2 * node + 1])
+            if new == arr[node]:
+                break
+            arr[node] = new
+            node >>= 1
+
+
+@numba.njit(cache=True)
 def set_values(arr, num_leaves, capacity, op, nonneg_finite, idx, values):
     """Validate, then write ``values`` at ``idx`` (last write wins) and fix the ancestors.
 
-    Returns ``(code, position)``: ``code`` is OK, BAD_INDEX or BAD_VALUE and ``position`` the
-    first offending entry; on an error nothing has been written. ``idx`` is normalized in
-    place (negative indices count from the end).
+    Returns ``(code, position)``: ``code`` is OK, BAD_INDEX, BAD_VALUE or BAD_TOTAL and
+    ``position`` the first offending entry; on an error the tree is as it was. Indices and
+    values are checked before anything is written. With ``nonneg_finite`` (sum trees) the
+    root must also stay finite, which only the write itself tells: a root that overflows is
+    undone by writing the old leaves back (last first, so the original value of a duplicated
+    index wins) and recomputing the same ancestors, which gives back the exact bits, since
+    every parent is the reduction of its children. ``idx`` is normalized in place (negative
+    indices count from the end).
     """
     k = idx.shape[0]
     for p in range(k):
@@ -50,20 +72,17 @@ def set_values(arr, num_leaves, capacity, op, nonneg_finite, idx, values):
             return BAD_VALUE, p
         if nonneg_finite and not (0.0 <= v < np.inf):
             return BAD_VALUE, p
+    old = np.empty(k if nonneg_finite else 0)
     for p in range(k):
+        if nonneg_finite:
+            old[p] = arr[num_leaves + idx[p]]
         arr[num_leaves + idx[p]] = values[p]
-    # Walk up from every written leaf, recomputing each parent from its two children. A walk
-    # may stop at a node whose value does not change: its ancestors already agree with it.
-    # Walks run one after the other, so every change of a node is followed by a recompute of
-    # its parent; the end state is the same as recomputing every ancestor.
-    for p in range(k):
-        node = (num_leaves + idx[p]) >> 1
-        while node >= 1:
-            new = _reduce(op, arr[2 * node], arr[2 * node + 1])
-            if new == arr[node]:
-                break
-            arr[node] = new
-            node >>= 1
+    _fix_ancestors(arr, num_leaves, op, idx)
+    if nonneg_finite and not arr[1] < np.inf:
+        for p in range(k - 1, -1, -1):
+            arr[num_leaves + idx[p]] = old[p]
+        _fix_ancestors(arr, num_leaves, op, idx)
+        return BAD_TOTAL, 0
     return OK, 0
 
 

@@ -208,3 +208,21 @@ def test_server_argument_and_buffer_kind_errors(ray_cluster):
     ray.get(uniform.add.remote(make_batch(0, 0, 4)))
     with pytest.raises(TypeError, match="no priorities"):
         ray.get(uniform.update.remote(np.array([0]), np.array([1.0])))
+
+
+def test_size_follows_num_added_when_adds_are_refused():
+    """In-process: refused adds count and write nothing; a pre-filled buffer counts."""
+    prefilled = PrioritizedReplayBuffer(capacity=3, alpha=2.0, random_seed=0)
+    prefilled.add(make_batch(0, 0, 2))
+    server = ReplayServer(prefilled)
+    assert server.size() == min(server.num_added(), 3) == 2
+    for adv in ([1e200], [float("nan")]):
+        with pytest.raises(ValueError):
+            server.add(make_batch(1, 0, 1), np.array(adv))
+        assert server.size() == min(server.num_added(), 3) == 2
+    with pytest.raises(ValueError):
+        server.update(np.array([2**64 - 1], np.uint64), np.array([1.0]))
+    for _ in range(3):
+        server.add(make_batch(1, 0, 1), np.array([-1.0]))  # signed Adv is fine
+        assert server.size() == min(server.num_added(), 3)
+    assert server.num_added() == 5

@@ -182,3 +182,75 @@ def test_extra_info_records_windows():
     dones = np.stack(tb.extra_info["dones"])
     for i in range(N + 2):
         assert dones[:, i].sum() == i
+
+
+def _traced(tracer, steps, **last):
+    for t in range(steps):
+        tracer.add(s=np.full(2, t), a=t, r=float(t), done=False, **(last if t == steps - 1 else {}))
+    return tracer
+
+
+def _pops(tracer):
+    out = []
+    while tracer:
+        b = tracer.pop()
+        out.append((b.S.tolist(), b.Rn.tolist(), b.In.tolist(), b.S_next.tolist()))
+    return out
+
+
+def test_tracer_checkpoint_round_trip_and_pickle():
+    import copy
+    import pickle
+
+    for make in (
+        lambda: _traced(NStep(3, 0.9, record_extra_info=True), 5),
+        lambda: _traced(NStep(2, 0.5), 4, truncated=True, s_next=np.full(2, 99)),
+        lambda: _traced(MonteCarlo(0.9), 4, truncated=True, s_next=np.full(2, 99)),
+        lambda: _traced(MonteCarlo(0.9), 2),
+    ):
+        tracer, reference = make(), make()
+        for t in (tracer, reference):
+            if isinstance(t, MonteCarlo) and t:
+                t.pop()  # mid-way through popping
+        ended = bool(reference)
+        clones = [
+            type(tracer).__checkpoint_restore__(copy.deepcopy(tracer.__checkpoint_state__())),
+            pickle.loads(pickle.dumps(tracer)),
+        ]
+        for t in [reference] + clones:
+            if not ended:  # still in the episode: end it the same way everywhere
+                t.add(s=np.full(2, 50), a=50, r=5.0, done=True)
+        expected = _pops(reference)
+        assert expected
+        for clone in clones:
+            assert type(clone) is type(tracer)
+            assert _pops(clone) == expected
+
+
+def test_tracer_checkpoint_restore_checks_every_invariant():
+    nstep = _traced(NStep(2, 0.9), 3, truncated=True, s_next=np.full(2, 9)).__checkpoint_state__()
+    mc = _traced(MonteCarlo(0.9), 2).__checkpoint_state__()
+    bad = [
+        (NStep, dict(nstep, n=0)),
+        (NStep, dict(nstep, n=2.0)),
+        (NStep, dict(nstep, gamma=1.5)),
+        (NStep, dict(nstep, gamma="0.9")),
+        (NStep, dict(nstep, record_extra_info=1)),
+        (NStep, dict(nstep, steps=[(0, 0, float("nan"), 0.0, 1.0)])),
+        (NStep, dict(nstep, steps=[(0, 0, 1.0)])),
+        (NStep, dict(nstep, steps="steps")),
+        (NStep, dict(nstep, final=None)),
+        (NStep, dict(nstep, terminated=True)),
+        (NStep, dict(nstep, truncated=1)),
+        (NStep, dict(nstep, bogus=1)),
+        (NStep, {k: v for k, v in nstep.items() if k != "n"}),
+        (MonteCarlo, dict(mc, g=1.0)),
+        (MonteCarlo, dict(mc, k=-1)),
+        (MonteCarlo, dict(mc, g=float("inf"))),
+        (MonteCarlo, dict(mc, final=(0, 0, 0.0))),
+        (MonteCarlo, nstep),
+    ]
+    for cls, state in bad:
+        with pytest.raises((ValueError, TypeError)):
+            cls.__checkpoint_restore__(state)
+            pytest.fail(f"accepted {state}")

@@ -63,3 +63,21 @@ def test_concatenate_rejects_different_structures():
         TransitionBatch.concatenate(make(1), with_idx)
     with pytest.raises(ValueError):
         TransitionBatch.concatenate()
+
+
+def test_copy_and_equality_for_any_batch_size():
+    rows = [
+        TransitionBatch.from_single(
+            s=np.full(2, t, np.float32), a=t, logp=0.0, r=1.0, done=False, gamma=0.9
+        )
+        for t in range(5)
+    ]
+    batch = TransitionBatch.concatenate(*rows)
+    shallow, deep = batch.copy(), batch.copy(deep=True)
+    assert shallow == batch and deep == batch and batch == batch
+    assert shallow.S is batch.S and deep.S is not batch.S
+    assert batch.replace(Rn=batch.Rn + 1e-9) == batch  # allclose, as coax
+    assert batch.replace(Rn=batch.Rn + 1) != batch
+    assert batch.replace(A_next=batch.A) != batch  # other structure
+    assert batch[:3] != batch  # other shapes
+    assert batch != "batch"

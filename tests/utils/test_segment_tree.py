@@ -391,3 +391,107 @@ def test_builtin_reducers(backend, reducer, expected):
     tree.set_values(..., [5.0, 1.0, 7.0])
     assert tree.root_value == expected
     assert tree.partial_reduce(0, 3) == expected
+
+
+# -- hostile input and checkpoints -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("idx", [np.array([2**64 - 1], np.uint64), [2**64 - 1], 2**64 - 1])
+def test_indices_never_wrap(backend, idx):
+    tree = SumTree(4)
+    tree.set_values(..., [1.0, 2.0, 3.0, 4.0])
+    before = _snapshot(tree)
+    with pytest.raises(IndexError):
+        tree.set_values(idx, 100.0)
+    np.testing.assert_array_equal(_snapshot(tree), before)
+
+
+@pytest.mark.parametrize("cls", [SumTree, MinTree, MaxTree])
+def test_strings_are_not_numbers(backend, cls):
+    tree = cls(4)
+    before = _snapshot(tree)
+    for bad in ("1.0", ["1.0"], np.array(["1.0"]), [object()]):
+        with pytest.raises(TypeError):
+            tree.set_values([0], bad)
+    np.testing.assert_array_equal(_snapshot(tree), before)
+    if cls is SumTree:
+        tree.set_values(..., 1.0)
+        for bad_u in ("0.5", np.array(["0.5"])):
+            with pytest.raises(TypeError):
+                tree.inverse_cdf(bad_u)
+
+
+def test_a_total_that_overflows_is_undone_exactly(backend):
+    tree = SumTree(5)
+    tree.set_values(..., [1e308, 1.0, 2.0, 0.0, 3.0])
+    before = _snapshot(tree)
+    for idx, values in [([3], [1e308]), ([1, 3], [1e308, 1e308]), ([0, 3, 3], [1e308, 5.0, 1e308])]:
+        with pytest.raises(ValueError, match="overflow"):
+            tree.set_values(idx, values)
+        np.testing.assert_array_equal(_snapshot(tree), before)
+    tree.set_values([0, 3], [1.0, 1e308])  # the large one moves: the total stays finite
+    assert tree.root_value == 1e308 + 6.0
+
+
+def _filled_trees():
+    rng = np.random.default_rng(0)
+    trees = [SumTree(7, random_seed=3), MinTree(5), MaxTree(9), SegmentTree(6, np.multiply, 1.0)]
+    for tree in trees:
+        tree.set_values(..., rng.uniform(0.5, 2.0, tree.capacity))
+    trees[0].sample(3)
+    return trees
+
+
+def test_checkpoint_round_trip_adopts_the_nodes():
+    for tree in _filled_trees():
+        state = tree.__checkpoint_state__()
+        copied = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in state.items()}
+        restored = type(tree).__checkpoint_restore__(copied)
+        assert restored._arr is copied["nodes"]
+        np.testing.assert_array_equal(restored._arr, tree._arr)
+        assert restored.reducer in (tree.reducer, np.add)
+        for clone in (pickle.loads(pickle.dumps(tree)), restored):
+            np.testing.assert_array_equal(clone._arr, tree._arr)
+            assert type(clone) is type(tree) and clone.capacity == tree.capacity
+            assert clone.partial_reduce(1, 4) == tree.partial_reduce(1, 4)
+    tree = _filled_trees()[0]
+    clone = pickle.loads(pickle.dumps(tree))
+    np.testing.assert_array_equal(clone.sample(20), tree.sample(20))
+    assert clone.random_seed == 3
+
+
+def test_checkpoint_restore_checks_every_invariant():
+    def nodes(f):
+        def mutate(state):
+            state["nodes"] = state["nodes"].copy()
+            f(state["nodes"])
+
+        return mutate
+
+    mutations = {
+        "extra key": lambda s: s.update(bogus=1),
+        "missing key": lambda s: s.pop("capacity"),
+        "capacity type": lambda s: s.update(capacity=7.0),
+        "capacity zero": lambda s: s.update(capacity=0),
+        "capacity disagrees with nodes": lambda s: s.update(capacity=9),
+        "nodes dtype": lambda s: s.update(nodes=s["nodes"].astype(np.float32)),
+        "nodes list": lambda s: s.update(nodes=s["nodes"].tolist()),
+        "negative leaf": nodes(lambda a: a.__setitem__(8, -1.0)),
+        "nan leaf": nodes(lambda a: a.__setitem__(8, np.nan)),
+        "padding": nodes(lambda a: a.__setitem__(15, 1.0)),
+        "stale parent": nodes(lambda a: a.__setitem__(4, a[4] + 1)),
+        "root": nodes(lambda a: a.__setitem__(1, a[1] * 2)),
+        "rng type": lambda s: s.update(rng=3),
+        "seed type": lambda s: s.update(random_seed="3"),
+    }
+    tree = _filled_trees()[0]
+    for name, mutate in mutations.items():
+        state = dict(tree.__checkpoint_state__())
+        mutate(state)
+        with pytest.raises((ValueError, TypeError)):
+            SumTree.__checkpoint_restore__(state)
+            pytest.fail(f"accepted: {name}")
+    base = _filled_trees()[3].__checkpoint_state__()
+    for reducer in ("system", "sin", 3):
+        with pytest.raises((ValueError, TypeError)):
+            SegmentTree.__checkpoint_restore__(dict(base, reducer=reducer))
