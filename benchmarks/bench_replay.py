@@ -146,8 +146,14 @@ def host_buffers(obs_shape, obs_dtype, capacity, batch_size, reps, rep_seconds, 
             p["next_obs"][:, 0], code_p + 1
         )
 
+    last = [ours.sample(batch_size)]
+
+    def sample_into_last():  # the caller hands back its previous batch: no new memory
+        last[0] = ours.sample(batch_size, out=last[0])
+
     variants = {
         "SimpleReplayBuffer.sample": lambda: ours.sample(batch_size),
+        "SimpleReplayBuffer.sample(out=)": sample_into_last,
         "cpprb ReplayBuffer.sample": lambda: peer.sample(batch_size),
     }
     storage = ours._storage
@@ -378,7 +384,11 @@ def main() -> None:
         label="ms",
     )
     memcpy = np.median(times["memcpy (same bytes)"])
-    for name in ("SimpleReplayBuffer.sample", "cpprb ReplayBuffer.sample"):
+    for name in (
+        "SimpleReplayBuffer.sample",
+        "SimpleReplayBuffer.sample(out=)",
+        "cpprb ReplayBuffer.sample",
+    ):
         gbps = nbytes / np.median(times[name]) / 1e9
         print(f"  {name:<34} {gbps:6.1f} GB/s = {memcpy / np.median(times[name]):.2f} of memcpy")
     print(f"  {'memcpy':<34} {nbytes / memcpy / 1e9:6.1f} GB/s")

@@ -531,10 +531,23 @@ class _RingStorage:
                     leaves[i] = targets[i]
                     np.copyto(leaves[i], view)
                 packed.add(i)
-        for i, arr in enumerate(self._storage):
-            if i in packed:
-                continue
-            leaves[i] = np.empty((n,) + arr.shape[1:], arr.dtype) if targets is None else targets[i]
+        fresh = [i for i, a in enumerate(self._storage) if i not in packed]
+        if targets is None and fresh:
+            # One allocation for all leaves: freed and reused as a whole, it does not page
+            # fault again on the next sample (separate arrays each would, for large frames).
+            sizes = [-(-self._storage[i][:1].nbytes * n // 64) * 64 for i in fresh]
+            block = np.empty(sum(sizes), np.uint8)
+            offset = 0
+            for i, size in zip(fresh, sizes):
+                arr = self._storage[i]
+                nbytes = arr[:1].nbytes * n
+                view = block[offset : offset + nbytes].view(arr.dtype)
+                leaves[i] = view.reshape((n,) + arr.shape[1:])
+                offset += size
+        for i in fresh:
+            arr = self._storage[i]
+            if targets is not None:
+                leaves[i] = targets[i]
             if arr[:1].nbytes * n < _LARGE_BYTES:
                 np.take(arr, slots, axis=0, out=leaves[i], mode="clip")
             else:

@@ -9,7 +9,7 @@ import gymnasium
 import jax
 import numpy as np
 
-from coax_utils.replay._host import _RingStorage
+from coax_utils.replay._host import PrioritizedReplayBuffer, SimpleReplayBuffer
 from coax_utils.replay._tracing import NStep
 from coax_utils.replay._transition import TransitionBatch
 
@@ -43,7 +43,7 @@ def _drain(tracer: Any, buffer: Any, ended: bool) -> int:
     if not batches:
         return 0
     batch = TransitionBatch.concatenate(*batches)
-    if isinstance(buffer, _RingStorage):
+    if isinstance(buffer, (SimpleReplayBuffer, PrioritizedReplayBuffer)):
         ends = np.zeros(batch.batch_size, bool)
         ends[-1] = ended and not len(tracer)
         buffer.add(batch, episode_end=ends)

@@ -15,6 +15,7 @@ BUILD = textwrap.dedent(
     """
     import hashlib, os, random, signal, sys, time, json
     import numpy as np
+    from coax_utils import utils
     from coax_utils.replay import PrioritizedReplayBuffer, SimpleReplayBuffer, TransitionBatch
 
     def make(n, capacity=512, cls=PrioritizedReplayBuffer, side=64):
@@ -151,6 +152,7 @@ MEMORY = """
     if mode == "save":
         buffer = make(N, capacity=N, cls=cls, side=84)  # 2 x 15000 x 84 x 84: about 210 MB
         buffer.save(path)
+        utils.dump(buffer, path + ".ckpt")
         print(json.dumps({"saved": True}))
         sys.exit(0)
     if mode == "restore":
@@ -169,6 +171,8 @@ MEMORY = """
     base = status("VmRSS")
     if mode == "restore":
         restored = cls.__checkpoint_restore__(state)
+    elif mode == "utils.load":
+        restored = utils.load(path + ".ckpt", safe=True)
     else:
         restored = cls.load(path, mmap_mode=None)
     peak = status("VmHWM") - base
@@ -177,7 +181,7 @@ MEMORY = """
 """
 
 
-@pytest.mark.parametrize("mode", ["restore", "load"])
+@pytest.mark.parametrize("mode", ["restore", "load", "utils.load"])
 def test_restoring_does_not_copy_the_storage(mode, tmp_path):
     path = str(tmp_path / "big")
     run_child(f"MODE, PATH = 'save', {path!r}\n" + textwrap.dedent(MEMORY))
