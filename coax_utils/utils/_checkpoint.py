@@ -113,9 +113,30 @@ def _unsafe(source: str, what: str) -> UnsafeCheckpointError:
     )
 
 
-def _unpickle(stream: Any, buffers: list[Any] | None = None) -> Any:
+class _OldUnpickler(pickle.Unpickler):
+    """Unpickles files of format version 1 and coax's files (``safe=False`` only).
+
+    The stateful classes of coax_utils 0.1 (replay buffers, segment trees, noise, tracers,
+    schedules) were pickled with their attributes; their state is now checked and rebuilt
+    by ``__checkpoint_restore__``, which those attributes do not fit. Rather than build a
+    half-initialised object, such a file is refused with a clear message.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = super().find_class(module, name)
+        if module.startswith("coax_utils.") and hasattr(obj, "__checkpoint_restore__"):
+            raise Corrupt(
+                f"it holds a {name} of coax_utils 0.1, whose saved attributes this version "
+                "cannot restore; load it with coax_utils 0.1 and save its data (or the object "
+                "with replay buffers' save(folder)) again"
+            )
+        return obj
+
+
+def _unpickle(stream: Any, buffers: list[Any] | None = None, old: bool = False) -> Any:
+    cls = _OldUnpickler if old else pickle.Unpickler
     try:
-        return pickle.Unpickler(io.BytesIO(stream), buffers=buffers).load()
+        return cls(io.BytesIO(stream), buffers=buffers).load()
     except (pickle.UnpicklingError, EOFError) as e:
         raise Corrupt(f"the pickle is damaged ({e})") from None
 
@@ -152,14 +173,14 @@ def _load_from(data: Any, safe: bool, source: str) -> Any:
         if is_legacy_frame(data):
             if safe:
                 raise _unsafe(source, "a legacy coax pickle (lz4 frame)")
-            return _unpickle(decompress_legacy_frame(data))
+            return _unpickle(decompress_legacy_frame(data), old=True)
         container = parse(data, FORMAT_VERSION)
         if container.version == 1:
             if safe:
                 raise _unsafe(source, "a pickle (format version 1)")
             n = len(container.segments)
             segments = read_segments(data, container, list(range(n)))
-            return _unpickle(segments[0], [segments[i] for i in range(1, n)])
+            return _unpickle(segments[0], [segments[i] for i in range(1, n)], old=True)
         return _load_v2(data, container, safe, source)
     except UnsafeCheckpointError:
         raise

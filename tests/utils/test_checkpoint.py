@@ -923,3 +923,9 @@ def test_file_load_without_preadv(tmp_path, monkeypatch):
     utils.dump(state, tmp_path / "x.ckpt")
     monkeypatch.delattr(os, "preadv")
     assert_tree_equal(utils.load(tmp_path / "x.ckpt", safe=True), state)
+
+
+def test_version_1_stateful_objects_are_refused_rather_than_half_built():
+    # a SimpleReplayBuffer pickled by coax_utils 0.1 with its attributes of that version
+    with pytest.raises(ValueError, match="SimpleReplayBuffer of coax_utils 0.1"):
+        utils.load(DATA / "buffer_v1.ckpt")
