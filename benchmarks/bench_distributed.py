@@ -15,11 +15,19 @@ Measured, round robin within each table, medians with min-max over the repetitio
    gymnasium loop in this process.
 3. Learner ``ray.get(server.sample.remote(64))`` latency with 0, 1 and 2 writers pushing,
    against ``buffer.sample(64)`` in this process.
+4. Scaling out (``--sharded`` runs only these): the learner's wait per step with a
+   :class:`~coax_utils.distributed.PrefetchingSampler` (2 requests in flight, a 5 ms
+   simulated training step) against the plain sample round trip, with 2 writers adding;
+   insert throughput of 2 writers into a :class:`~coax_utils.distributed.ShardedReplay`
+   of 2 shards against 1 shard; and the samples-per-insert ratio a
+   :class:`~coax_utils.distributed.RateLimiter` holds while writers and learner run at
+   different speeds.
 
 Every variant is checked: the server counts exactly the transitions the writers pushed, and
 sampled batches hold pushed transitions.
 
-Run: ``python benchmarks/bench_distributed.py`` (``--quick`` for a few-second smoke run).
+Run: ``python benchmarks/bench_distributed.py`` (``--quick`` for a few-second smoke run,
+``--sharded`` for section 4 only, ``--ratio-seconds`` for the length of its ratio run).
 """
 
 from __future__ import annotations
@@ -35,7 +43,13 @@ import time
 import numpy as np
 import ray
 
-from coax_utils.distributed import ReplayServer, RolloutWorker
+from coax_utils.distributed import (
+    PrefetchingSampler,
+    RateLimiter,
+    ReplayServer,
+    RolloutWorker,
+    ShardedReplay,
+)
 from coax_utils.replay import PrioritizedReplayBuffer, TransitionBatch
 
 BATCH = 32
@@ -89,6 +103,14 @@ class Writer:
         n, stop = 0, time.perf_counter() + seconds
         while time.perf_counter() < stop:
             n += self.push(target, 8, in_flight)
+        return n
+
+    def paced(self, target, seconds: float, pause: float) -> int:
+        """Push one batch, then sleep ``pause`` (a slower env), for ``seconds``."""
+        n, stop = 0, time.perf_counter() + seconds
+        while time.perf_counter() < stop:
+            n += self.push(target, 1, 1)
+            time.sleep(pause)
         return n
 
 
@@ -286,9 +308,146 @@ def bench_sample_latency(reps: int, calls: int) -> None:
         ray.kill(actor)
 
 
+def _prefilled_shards(num_shards: int, limiter=None) -> ShardedReplay:
+    buffers = [PrioritizedReplayBuffer(CAPACITY, random_seed=i) for i in range(num_shards)]
+    replay = ShardedReplay(buffers, rate_limiter=limiter, seed=0)
+    for seed in range(16):
+        replay.add(make_batch(seed, 256), shard=seed % num_shards)
+    return replay
+
+
+def bench_prefetch(steps: int, train_seconds: float) -> None:
+    plain = ReplayServer.remote(PrioritizedReplayBuffer(CAPACITY, random_seed=0))
+    for seed in range(16):
+        ray.get(plain.add.remote(make_batch(seed, 256)))
+    replay = _prefilled_shards(2)
+    writers = [ray.remote(Writer).remote(seed) for seed in (1, 2)]
+    seconds = steps * (train_seconds + 0.01) + 2
+
+    def with_writers(targets, run):
+        streams = [w.stream.remote(t, seconds) for w, t in zip(writers, targets)]
+        waits = run()
+        ray.get(streams)
+        return waits
+
+    def plain_round_trip():
+        waits = []
+        for _ in range(steps):
+            tic = time.perf_counter()
+            batch = ray.get(plain.sample.remote(SAMPLE))
+            waits.append(time.perf_counter() - tic)
+            time.sleep(train_seconds)
+        assert batch.batch_size == SAMPLE
+        return waits
+
+    def sharded_round_trip():
+        waits = []
+        for _ in range(steps):
+            tic = time.perf_counter()
+            batch = replay.sample(SAMPLE)
+            waits.append(time.perf_counter() - tic)
+            time.sleep(train_seconds)
+        assert batch.batch_size == SAMPLE
+        return waits
+
+    def prefetched():
+        waits = []
+        with PrefetchingSampler(replay, SAMPLE, num_in_flight=2) as sampler:
+            for _ in range(steps):
+                tic = time.perf_counter()
+                batch = sampler.sample()
+                waits.append(time.perf_counter() - tic)
+                time.sleep(train_seconds)
+                sampler.update(batch.idx, np.ones(SAMPLE))
+        return waits
+
+    results = {
+        "plain ReplayServer: ray.get(sample.remote(64))": with_writers(
+            [plain, plain], plain_round_trip
+        ),
+        "ShardedReplay (2 shards): sample(64)": with_writers(replay.shards, sharded_round_trip),
+        "PrefetchingSampler (2 in flight) on the shards": with_writers(replay.shards, prefetched),
+    }
+    base = statistics.median(results["plain ReplayServer: ray.get(sample.remote(64))"])
+    print(
+        f"\nLearner wait per step, 2 writers adding, {steps} steps of "
+        f"{train_seconds * 1e3:.0f} ms simulated training (sleep)"
+    )
+    print(f"{'variant':50s} {'median (min - max)':>28s}  {'mean':>9s}  {'vs plain':>8s}")
+    for name, waits in results.items():
+        ratio = statistics.median(waits) / base
+        print(f"{name:50s} {fmt_time(waits):>28s}  {np.mean(waits) * 1e6:6.0f} us  {ratio:8.3f}")
+    for actor in [plain, *replay.shards, *writers]:
+        ray.kill(actor)
+
+
+def bench_shard_inserts(reps: int, seconds: float) -> None:
+    writers = [ray.remote(Writer).remote(seed) for seed in (1, 2)]
+    replays = {k: _prefilled_shards(k) for k in (1, 2)}
+    rates: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(reps):
+        for k, replay in replays.items():
+            before = replay.num_added()
+            tic = time.perf_counter()
+            refs = [w.stream.remote(replay.shards[i % k], seconds) for i, w in enumerate(writers)]
+            pushed = sum(ray.get(refs))
+            elapsed = time.perf_counter() - tic
+            assert replay.num_added() - before == pushed  # nothing lost
+            rates[k].append(pushed / elapsed)
+    print(f"\nInsert throughput, 2 writers (batches of {BATCH}, 2 in flight), writer i -> shard i")
+    for k in (1, 2):
+        print(f"{k} shard(s){'':38s} {fmt_rate(rates[k]):>32s}")
+    print(
+        f"ratio 2 shards / 1 shard: {statistics.median(rates[2]) / statistics.median(rates[1]):.2f}"
+    )
+    for actor in [*writers, *replays[1].shards, *replays[2].shards]:
+        ray.kill(actor)
+
+
+def bench_ratio(seconds: float) -> None:
+    spi, min_size, error_buffer = 4.0, 1000, 4.0 * BATCH * 4 + SAMPLE * 3
+    print(
+        f"\nRate limiter: samples_per_insert={spi}, min_size_to_sample={min_size}, "
+        f"error_buffer={error_buffer:.0f}; 2 writers, learner batches of {SAMPLE}"
+    )
+    for phase, (pause, train) in {
+        "writers slow (20 ms/batch), learner fast (1 ms/step)": (0.02, 0.001),
+        "writers fast (no pause), learner slow (10 ms/step)": (0.0, 0.01),
+    }.items():
+        limiter = RateLimiter.remote(min_size, spi, error_buffer)
+        buffers = [PrioritizedReplayBuffer(CAPACITY, random_seed=i) for i in range(2)]
+        replay = ShardedReplay(buffers, rate_limiter=limiter, seed=0)
+        writers = [ray.remote(Writer).remote(seed) for seed in (1, 2)]
+        refs = [w.paced.remote(s, seconds + 5, pause) for w, s in zip(writers, replay.shards)]
+        worst, steps = 0.0, 0
+        with PrefetchingSampler(replay, SAMPLE, num_in_flight=2, timeout=30) as sampler:
+            sampler.sample()
+            stop = time.perf_counter() + seconds
+            while time.perf_counter() < stop:
+                sampler.update(sampler.sample().idx, np.ones(SAMPLE))
+                time.sleep(train)
+                steps += 1
+                if steps % 20 == 0:
+                    c = ray.get(limiter.counts.remote())
+                    worst = max(worst, abs(spi * c["inserts"] - c["samples"] - spi * min_size))
+            c = ray.get(limiter.counts.remote())
+        ratio = c["samples"] / c["inserts"]
+        print(
+            f"{phase:55s} {seconds:.0f} s: {c['inserts']:7d} inserted, {c['samples']:8d} "
+            f"sampled, samples/insert {ratio:.3f} (target {spi}); largest "
+            f"|r I - S - r m| seen {worst:.0f} <= error_buffer {error_buffer:.0f}: "
+            f"{worst <= error_buffer}"
+        )
+        for actor in [*writers, *replay.shards, limiter]:
+            ray.kill(actor)
+        del refs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few-second smoke run")
+    parser.add_argument("--sharded", action="store_true", help="only section 4 (scaling out)")
+    parser.add_argument("--ratio-seconds", type=float, default=30.0, help="per phase")
     args = parser.parse_args()
     reps = 2 if args.quick else 9
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -302,6 +461,12 @@ def main() -> None:
     )
     try:
         print(f"Ray {ray.__version__}, {os.cpu_count()} CPUs, local cluster with num_cpus=2")
+        if args.sharded or args.quick:
+            bench_prefetch(steps=20 if args.quick else 300, train_seconds=0.005)
+            bench_shard_inserts(reps if args.quick else 3, seconds=0.5 if args.quick else 3.0)
+            bench_ratio(3.0 if args.quick else args.ratio_seconds)
+            if args.sharded:
+                return
         bench_writes(reps, num_batches=10 if args.quick else 100)
         bench_rollouts(reps, num_steps=100 if args.quick else 1500)
         bench_sample_latency(reps, calls=5 if args.quick else 60)

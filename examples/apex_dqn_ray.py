@@ -1,12 +1,18 @@
-"""Ape-X style DQN on CartPole with Ray: one learner, N rollout workers, one replay server.
+"""Ape-X style DQN on CartPole with Ray: one learner, N rollout workers, sharded replay.
 
 The learner (this process) trains a Haiku Q-network with double-DQN n-step targets on
-batches sampled from a :class:`~coax_utils.distributed.ReplayServer` that wraps a
-prioritized replay buffer. Rollout workers (:class:`~coax_utils.distributed.RolloutWorker`
+batches sampled from a :class:`~coax_utils.distributed.ShardedReplay`: ``--num-shards``
+:class:`~coax_utils.distributed.ReplayServer` shards, each wrapping a prioritized replay
+buffer, sampled as one buffer. A :class:`~coax_utils.distributed.RateLimiter` holds the
+ratio of sampled to inserted transitions at ``--samples-per-insert`` (writers wait when
+they run ahead, the learner when it does), and a
+:class:`~coax_utils.distributed.PrefetchingSampler` keeps sample requests in flight while
+the learner trains. Rollout workers (:class:`~coax_utils.distributed.RolloutWorker`
 actors) play with epsilon-greedy policies of different epsilons (as in Ape-X), pull the
 latest parameters from a :class:`~coax_utils.distributed.ParameterServer`, compute initial
-priorities (|TD error| under their parameters) and push n-step transitions to the server.
-The learner sends the new |TD errors| of every trained batch back as priorities.
+priorities (|TD error| under their parameters) and push n-step transitions to their shard
+(worker i writes to shard i mod the number of shards). The learner sends the new |TD errors|
+of every trained batch back as priorities, without waiting.
 
 Run it on this machine (starts a local Ray cluster)::
 
@@ -37,7 +43,13 @@ import numpy as np
 import optax
 import ray
 
-from coax_utils.distributed import ParameterServer, ReplayServer, RolloutWorker
+from coax_utils.distributed import (
+    ParameterServer,
+    PrefetchingSampler,
+    RateLimiter,
+    RolloutWorker,
+    ShardedReplay,
+)
 from coax_utils.replay import PrioritizedReplayBuffer
 
 
@@ -51,7 +63,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--learner-steps", type=int, default=6000)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1000, help="transitions before training")
-    parser.add_argument("--capacity", type=int, default=50_000)
+    parser.add_argument("--capacity", type=int, default=50_000, help="over all shards")
+    parser.add_argument("--num-shards", type=int, default=2)
+    parser.add_argument("--samples-per-insert", type=float, default=8.0)
+    parser.add_argument("--prefetch", type=int, default=2, help="sample requests in flight")
     parser.add_argument("--n-step", type=int, default=3)
     parser.add_argument("--gamma", type=float, default=0.99)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -157,8 +172,17 @@ def main() -> None:
     opt_state = optimizer.init(params)
     train_step = make_train_step(q, optimizer)
 
-    buffer = PrioritizedReplayBuffer(args.capacity, alpha=0.6, beta=0.4, random_seed=args.seed)
-    server = ReplayServer.remote(buffer)
+    buffers = [
+        PrioritizedReplayBuffer(
+            args.capacity // args.num_shards, alpha=0.6, beta=0.4, random_seed=args.seed + i
+        )
+        for i in range(args.num_shards)
+    ]
+    # the window holds every worker's in-flight pushes plus the learner's prefetched batches
+    error_buffer = args.samples_per_insert * 32 * 3 * args.num_workers
+    error_buffer += args.batch_size * (args.prefetch + 1)
+    limiter = RateLimiter.remote(args.warmup, args.samples_per_insert, error_buffer)
+    replay = ShardedReplay(buffers, rate_limiter=limiter, seed=args.seed, timeout=60.0)
     store = ParameterServer.remote(jax.device_get(params))
     priority_fn = make_priority_fn(q)
     workers = []
@@ -169,7 +193,7 @@ def main() -> None:
             RolloutWorker.remote(
                 args.env,
                 make_policy(q, epsilon, num_actions),
-                server,
+                replay.shards[i % args.num_shards],
                 store,
                 n=args.n_step,
                 gamma=args.gamma,
@@ -181,24 +205,22 @@ def main() -> None:
         )
     ray.get([w.start.remote() for w in workers])
 
-    while ray.get(server.size.remote()) < args.warmup:
+    while replay.size() < args.warmup:
         ray.get([w.stats.remote() for w in workers])  # raises if a worker failed
         time.sleep(0.1)
-    print(f"warm-up done: {ray.get(server.size.remote())} transitions", flush=True)
+    print(f"warm-up done: {replay.size()} transitions", flush=True)
 
-    next_batch = server.sample.remote(args.batch_size)
-    update_ref = None
+    sampler = PrefetchingSampler(
+        replay, args.batch_size, num_in_flight=args.prefetch, timeout=120.0
+    )
     tic = time.perf_counter()
     for step in range(1, args.learner_steps + 1):
-        batch = ray.get(next_batch)
-        next_batch = server.sample.remote(args.batch_size)  # prefetch while training
+        batch = sampler.sample()  # waits only if the rate limiter holds the learner back
         fields = (batch.S, batch.A, batch.Rn, batch.In, batch.S_next, batch.W)
         params, target_params, opt_state, loss, td = train_step(
             params, target_params, opt_state, *fields
         )
-        if update_ref is not None:
-            ray.get(update_ref)  # one priority update in flight at a time
-        update_ref = server.update.remote(batch.idx, np.abs(np.asarray(td)))
+        sampler.update(batch.idx, np.abs(np.asarray(td)))  # sent without waiting
         if step % args.publish_every == 0:
             store.set.remote(jax.device_get(params))
         if step % args.log_every == 0 or step == args.learner_steps:
@@ -210,34 +232,42 @@ def main() -> None:
             )
             print(
                 f"learner step {step:6d}  loss {float(loss):7.4f}  "
-                f"replay {ray.get(server.size.remote()):6d}  "
+                f"replay {replay.size():6d}  "
                 f"env steps {sum(s['steps'] for s in stats):7d}  "
                 f"returns {returns}  "
                 f"{step / (time.perf_counter() - tic):4.0f} updates/s",
                 flush=True,
             )
-    ray.get(update_ref)
+    sampler.close()  # waits for the last priority updates
 
-    final = ray.get([w.stop.remote() for w in workers])
-    num_added = ray.get(server.num_added.remote())
-    pushed = sum(s["transitions_added"] for s in final)
+    # The workers may now wait for the rate limiter (the learner stopped sampling), so they
+    # are killed rather than stopped; the shards keep every batch that reached them.
+    final = ray.get([w.stats.remote() for w in workers])
+    for w in workers:
+        ray.kill(w)
+    counts = ray.get(limiter.counts.remote())
+    num_added = replay.num_added()
+    acknowledged = sum(s["transitions_added"] for s in final)
+    sent = sum(s["transitions_sent"] for s in final)
     print(
         f"done in {time.perf_counter() - start:.1f} s: {args.learner_steps} learner steps, "
-        f"{sum(s['steps'] for s in final)} env steps, {pushed} transitions pushed, "
-        f"{num_added} received by the replay server, "
-        f"{ray.get(store.version.remote())} parameter versions",
+        f"{sum(s['steps'] for s in final)} env steps, {num_added} transitions received by "
+        f"{args.num_shards} shards, samples per insert {counts['samples'] / counts['inserts']:.2f}"
+        f" (target {args.samples_per_insert}), {ray.get(store.version.remote())} parameter "
+        "versions",
         flush=True,
     )
     if args.checkpoint:
-        path = ray.get(server.save.remote(os.path.abspath(args.checkpoint)))
-        print(f"replay buffer saved to {path}", flush=True)
+        path = replay.save(os.path.abspath(args.checkpoint))
+        print(f"replay shards saved to {path}", flush=True)
     if args.smoke:
-        # every transition a worker pushed reached the server, and training ran
-        assert pushed == num_added > 0, (pushed, num_added)
+        # every acknowledged transition reached a shard, none that was not sent, and training
+        # ran under the rate limiter's window
+        assert 0 < acknowledged <= num_added <= sent, (acknowledged, num_added, sent)
+        lag = args.samples_per_insert * counts["inserts"] - counts["samples"]
+        assert abs(lag - args.samples_per_insert * args.warmup) <= error_buffer, counts
         assert np.isfinite(float(loss))
         print("smoke run OK", flush=True)
-    for w in workers:
-        ray.kill(w)
     ray.shutdown()
 
 

@@ -8,11 +8,18 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     ) from exc
 
 from coax_utils.distributed._params import ParameterServer
+from coax_utils.distributed._prefetch import PrefetchingSampler
+from coax_utils.distributed._rate_limiter import RateLimiter
 from coax_utils.distributed._server import ReplayServer
+from coax_utils.distributed._sharded import ReplayShardError, ShardedReplay
 from coax_utils.distributed._worker import RolloutWorker
 
 __all__ = [
     "ParameterServer",
+    "PrefetchingSampler",
+    "RateLimiter",
     "ReplayServer",
+    "ReplayShardError",
     "RolloutWorker",
+    "ShardedReplay",
 ]

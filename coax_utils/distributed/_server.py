@@ -204,6 +204,62 @@ class ReplayServer(RemoteClass):
         with self._lock:
             return len(self._buffer)
 
+    def totals(self) -> dict[str, Any]:
+        """What a sharded client needs to split a sample across shards, in one call.
+
+        Returns
+        -------
+        dict
+            ``total`` (the sum of the priorities of the held transitions; their number for a
+            buffer without priorities), ``size`` (``len(buffer)``) and ``num_added`` (see
+            :meth:`num_added`).
+        """
+        with self._lock:
+            return self._totals()
+
+    def sample_with_priorities(self, batch_size: int) -> dict[str, Any]:
+        """Sample like :meth:`sample`, and return what global importance weights need.
+
+        Returns
+        -------
+        dict
+            ``batch`` (as :meth:`sample` returns it), ``priorities`` (float64, the priority
+            of each sampled transition at sampling time; 1 for a buffer without
+            priorities), ``beta`` (the buffer's importance-weight exponent; 0 without
+            priorities) and the ``total``, ``size`` and ``num_added`` of :meth:`totals`, all
+            read under one lock so they describe the distribution the batch came from.
+        """
+        import numpy as np
+
+        with self._lock:
+            batch = self._buffer.sample(batch_size)
+            info = self._totals()
+            tree = self._priority_tree()
+            if tree is None:
+                info["priorities"] = np.ones(batch.batch_size)
+                info["beta"] = 0.0
+            else:
+                slots = np.asarray(batch.idx, np.int64) % self._buffer.capacity
+                info["priorities"] = np.asarray(tree.values[slots], np.float64)
+                info["beta"] = float(self._buffer.beta)
+        info["batch"] = batch
+        return info
+
+    def _priority_tree(self) -> Any:
+        from coax_utils.replay import PrioritizedReplayBuffer
+
+        if isinstance(self._buffer, PrioritizedReplayBuffer):
+            # The buffer's sum tree of priorities (read only): PrioritizedReplayBuffer has no
+            # public accessor for the priorities of given ids or their total yet.
+            return self._buffer._tree
+        return None
+
+    def _totals(self) -> dict[str, Any]:
+        size = len(self._buffer)
+        tree = self._priority_tree()
+        total = float(size) if tree is None or size == 0 else float(tree.root_value)
+        return {"total": total, "size": size, "num_added": self._num_added}
+
     def num_added(self) -> int:
         """The number of transitions the buffer held when the server started (or was last
         restored) plus those accepted by :meth:`add` since.

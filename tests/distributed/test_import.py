@@ -24,7 +24,15 @@ def test_import_without_ray_names_the_extra():
 def test_import_with_ray_exports_the_actors():
     import coax_utils.distributed as distributed
 
-    assert distributed.__all__ == ["ParameterServer", "ReplayServer", "RolloutWorker"]
-    for name in distributed.__all__:
+    assert distributed.__all__ == [
+        "ParameterServer",
+        "PrefetchingSampler",
+        "RateLimiter",
+        "ReplayServer",
+        "ReplayShardError",
+        "RolloutWorker",
+        "ShardedReplay",
+    ]
+    for name in ("ParameterServer", "RateLimiter", "ReplayServer", "RolloutWorker"):
         cls = getattr(distributed, name)
         assert cls.__doc__ and callable(cls.remote) and callable(cls.options)

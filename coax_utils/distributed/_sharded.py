@@ -1,0 +1,552 @@
+"""The :class:`ShardedReplay` client: N replay shards on Ray that sample like one buffer."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import ray
+
+from coax_utils.distributed._server import ReplayServer
+from coax_utils.replay import PrioritizedReplayBuffer, TransitionBatch
+
+__all__ = ["ReplayShardError", "ShardedReplay"]
+
+_MANIFEST = "sharded_replay.json"
+_MANIFEST_VERSION = 1
+
+
+class ReplayShardError(RuntimeError):
+    """A replay shard (or the rate limiter) died or stopped answering; the message names it."""
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_timeout(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{name} must be None or a float >= 0, got {value!r}")
+    if not (np.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be None or a float >= 0, got {value!r}")
+    return float(value)
+
+
+class _Shard(ReplayServer):
+    """A :class:`ReplayServer` whose ``add`` first waits for the rate limiter (if any)."""
+
+    _ray_options: ClassVar[dict[str, Any]] = {"max_concurrency": 16}
+
+    def __init__(
+        self, buffer: Any, limiter: Any = None, insert_timeout: float | None = None
+    ) -> None:
+        super().__init__(buffer)
+        self._limiter = limiter
+        self._insert_timeout = insert_timeout
+
+    @classmethod
+    def _validate_args(cls, buffer: Any, limiter: Any = None, insert_timeout: Any = None) -> None:
+        super()._validate_args(buffer)
+
+    def add(self, transition_batch: TransitionBatch, Adv: Any = None) -> int:
+        if self._limiter is None or not isinstance(transition_batch, TransitionBatch):
+            return super().add(transition_batch, Adv)
+        n = transition_batch.batch_size
+        ray.get(self._limiter.insert.remote(n, self._insert_timeout))
+        try:
+            return super().add(transition_batch, Adv)
+        except BaseException:
+            ray.get(self._limiter.release_inserts.remote(n))
+            raise
+
+
+def _check_buffers(buffers: Any) -> list[Any]:
+    if isinstance(buffers, (str, bytes)) or not isinstance(buffers, Sequence):
+        raise TypeError(
+            "buffers must be a sequence of host replay buffers, one per shard, got "
+            f"{type(buffers).__name__}"
+        )
+    buffers = list(buffers)
+    if not buffers:
+        raise ValueError("buffers must hold at least one replay buffer (one per shard)")
+    kinds = {type(b) for b in buffers}
+    if len(kinds) != 1:
+        raise TypeError(
+            "all shards must hold buffers of one type, got "
+            + ", ".join(sorted(k.__name__ for k in kinds))
+        )
+    if isinstance(buffers[0], PrioritizedReplayBuffer):
+        for name in ("alpha", "beta", "epsilon"):
+            values = {getattr(b, name) for b in buffers}
+            if len(values) != 1:
+                raise ValueError(
+                    f"the shards' buffers must share {name} (priorities and weights are "
+                    f"compared across shards), got {sorted(values)}"
+                )
+    for i, b in enumerate(buffers):
+        if len(b):
+            raise ValueError(f"buffers[{i}] is not empty ({len(b)} transitions); pass empty ones")
+    return buffers
+
+
+class ShardedReplay:
+    r"""N replay shards on a Ray cluster behind one client, sampling like one buffer.
+
+    Each shard is a :class:`ReplayServer` actor serving one of ``buffers``, so adds, samples
+    and priority updates spread over N processes (and nodes). The client object is cheap to
+    pickle: hand it (or one of :attr:`shards`) to every writer and keep one in the learner.
+
+    - **Adds** go to one shard per call: round robin over the shards by default, or the
+      shard a writer names (``shard=writer_id % num_shards``, "by writer"; a
+      :class:`RolloutWorker` given ``replay.shards[i]`` does the same).
+    - **Sampling is exact.** :meth:`sample` asks every shard for the total priority
+      :math:`T_s` of what it holds, draws the number of transitions taken from each shard
+      from a multinomial with probabilities :math:`T_s / \sum_r T_r` (the client's own
+      seeded RNG), then samples within each shard with the shard's buffer. A transition of
+      priority :math:`p_i` is thus drawn with probability :math:`p_i / \sum_r T_r`, as from
+      one buffer holding everything, and the importance weights use the global size
+      :math:`N = \sum_s n_s` and these global probabilities:
+      :math:`w_i = (N P(i))^{-\beta} / \max_j (N P(j))^{-\beta}`. A uniform
+      :class:`~coax_utils.replay.SimpleReplayBuffer` counts as priority 1 per transition.
+      The rows of a batch are grouped by shard.
+    - **Ids** encode the shard: ``idx = local_id * num_shards + shard``, so :meth:`update`
+      routes each new priority to the shard that owns the transition (and a shard ignores
+      ids it overwrote since, as :class:`~coax_utils.replay.PrioritizedReplayBuffer` does).
+    - **Rate limiting** (optional): with ``rate_limiter`` (a :class:`RateLimiter` handle),
+      every shard's ``add`` waits for the limiter's permission and :meth:`sample` does too,
+      so the ratio holds over all shards together.
+    - **Failures are named.** Every wait on the cluster has a time limit; a shard (or the
+      limiter) that died raises :class:`ReplayShardError` naming it on the next call, one
+      that does not answer within ``timeout`` seconds raises :class:`TimeoutError`.
+
+    Parameters
+    ----------
+    buffers : sequence of host replay buffers
+        One empty buffer per shard, e.g.
+        ``[PrioritizedReplayBuffer(100_000, random_seed=i) for i in range(4)]`` (give each a
+        different seed: their RNGs draw the samples within the shards). They must be of one
+        type and, if prioritized, share ``alpha``, ``beta`` and ``epsilon``.
+    rate_limiter : ray.actor.ActorHandle, optional
+        A :class:`RateLimiter` actor.
+    seed : int, optional
+        Seed of the client's RNG (the per-shard counts of a sample).
+    timeout : float, optional
+        Seconds a call waits for a shard's reply (beyond any rate-limiter wait) before it
+        raises; None waits forever (not advised: a lost node then hangs the learner).
+    insert_timeout : float, optional
+        Seconds a shard's ``add`` waits for the rate limiter before it raises
+        :class:`TimeoutError` to the writer (None: no limit).
+    shard_options : dict, optional
+        Ray actor options for the shards (``num_cpus``, ``resources``,
+        ``scheduling_strategy``, ...); by default ``max_concurrency=16`` so that adds
+        waiting for the rate limiter do not hold up samples.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For bad arguments, before any actor starts.
+
+    Examples
+    --------
+    .. code-block:: python
+
+        limiter = RateLimiter.remote(min_size_to_sample=1000, samples_per_insert=4.0,
+                                     error_buffer=400.0)
+        replay = ShardedReplay(
+            [PrioritizedReplayBuffer(50_000, alpha=0.6, beta=0.4, random_seed=i)
+             for i in range(2)],
+            rate_limiter=limiter, seed=0)
+        replay.add(transition_batch, Adv)          # any process; round robin
+        batch = replay.sample(64, timeout=30.0)    # the learner
+        replay.update(batch.idx, td_error)
+    """
+
+    def __init__(
+        self,
+        buffers: Sequence[Any],
+        *,
+        rate_limiter: Any = None,
+        seed: int | None = None,
+        timeout: float | None = 60.0,
+        insert_timeout: float | None = None,
+        shard_options: dict[str, Any] | None = None,
+    ) -> None:
+        buffers = _check_buffers(buffers)
+        if rate_limiter is not None and not isinstance(rate_limiter, ray.actor.ActorHandle):
+            raise TypeError(
+                f"rate_limiter must be None or a RateLimiter actor handle, got "
+                f"{type(rate_limiter).__name__}"
+            )
+        if seed is not None and not _is_int(seed):
+            raise TypeError(f"seed must be None or an int, got {seed!r}")
+        self.timeout = _check_timeout("timeout", timeout)
+        insert_timeout = _check_timeout("insert_timeout", insert_timeout)
+        if shard_options is not None and not isinstance(shard_options, dict):
+            raise TypeError(f"shard_options must be a dict, got {type(shard_options).__name__}")
+        options = _Shard.options(**(shard_options or {}))
+        self.shards: list[Any] = [options.remote(b, rate_limiter, insert_timeout) for b in buffers]
+        self.rate_limiter = rate_limiter
+        self._insert_timeout = insert_timeout
+        self._rng = np.random.default_rng(seed)
+        self._rng_lock = threading.Lock()
+        self._next_shard = 0
+
+    # -- pickling (the lock stays behind) ----------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_rng_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._rng_lock = threading.Lock()
+
+    # -- waiting on the cluster --------------------------------------------------------------
+
+    @property
+    def num_shards(self) -> int:
+        """The number of shards."""
+        return len(self.shards)
+
+    def _name(self, shard: int | None) -> str:
+        if shard is None:
+            return "the rate limiter"
+        return f"replay shard {shard} of {self.num_shards}"
+
+    def _get(self, ref: Any, shard: int | None, extra: float | None = 0.0) -> Any:
+        """``ray.get`` one reply with the client's time limit (plus ``extra``; None: none)."""
+        timeout = None if self.timeout is None or extra is None else self.timeout + extra
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref)
+            raise TimeoutError(f"{self._name(shard)} did not answer within {timeout} s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise ReplayShardError(f"{self._name(shard)} died or is unreachable: {exc}") from exc
+
+    def _gather(self, refs: dict[int, Any]) -> dict[int, Any]:
+        return {i: self._get(ref, i) for i, ref in refs.items()}
+
+    # -- writers -----------------------------------------------------------------------------
+
+    def add(
+        self,
+        transition_batch: TransitionBatch,
+        Adv: Any = None,
+        *,
+        shard: int | None = None,
+        wait: bool = True,
+    ) -> Any:
+        """Add a batch of transitions to one shard.
+
+        Parameters
+        ----------
+        transition_batch : TransitionBatch
+            The transitions.
+        Adv : array, optional
+            Advantages or TD errors that set the initial priorities (see
+            :meth:`ReplayServer.add`).
+        shard : int, optional
+            The shard to add to; None takes the next one, round robin.
+        wait : bool
+            Wait for the shard's acknowledgement (and the rate limiter's permission) and
+            return the number of transitions added; False returns the Ray object ref at once.
+
+        Returns
+        -------
+        int or ray.ObjectRef
+            The number of transitions added, or a ref to it.
+
+        Raises
+        ------
+        TypeError
+            If ``transition_batch`` is not a TransitionBatch (nothing is sent).
+        ValueError
+            If ``shard`` is out of range, or the shard's buffer rejects the batch.
+        ReplayShardError, TimeoutError
+            If the shard died or did not answer.
+        """
+        if not isinstance(transition_batch, TransitionBatch):
+            raise TypeError(
+                "ShardedReplay.add expects a coax_utils.replay.TransitionBatch, got "
+                f"{type(transition_batch).__name__}"
+            )
+        if shard is None:
+            shard = self._next_shard
+            self._next_shard = (self._next_shard + 1) % self.num_shards
+        elif not _is_int(shard) or not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard must be an int in [0, {self.num_shards}), got {shard!r}")
+        ref = self.shards[shard].add.remote(transition_batch, Adv)
+        if not wait:
+            return ref
+        # an add may wait for the rate limiter first
+        extra = 0.0 if self.rate_limiter is None else self._insert_timeout
+        return self._get(ref, int(shard), extra)
+
+    # -- the learner -------------------------------------------------------------------------
+
+    def sample(self, batch_size: int = 32, timeout: float | None = None) -> TransitionBatch:
+        """Sample a batch as one buffer holding all shards' transitions would.
+
+        Parameters
+        ----------
+        batch_size : int
+            The number of transitions (drawn with replacement).
+        timeout : float, optional
+            Seconds to wait at most for the rate limiter's permission (None: no limit).
+
+        Returns
+        -------
+        TransitionBatch
+            With global ``idx`` (pass them to :meth:`update`) and ``W`` (stored weights
+            times the global importance weights, largest 1).
+
+        Raises
+        ------
+        TypeError, ValueError
+            For a bad ``batch_size`` or ``timeout``, or if every shard is empty.
+        TimeoutError
+            If the rate limiter did not allow the sample within ``timeout``.
+        ReplayShardError
+            If a shard or the limiter died.
+        """
+        if not _is_int(batch_size):
+            raise TypeError(f"batch_size must be a positive int, got {batch_size!r}")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        timeout = _check_timeout("timeout", timeout)
+        if self.rate_limiter is not None:
+            self._get(self.rate_limiter.sample.remote(int(batch_size), timeout), None, timeout)
+        totals = self._gather({i: s.totals.remote() for i, s in enumerate(self.shards)})
+        T = np.array([totals[i]["total"] for i in range(self.num_shards)], np.float64)
+        if not T.sum() > 0:
+            raise ValueError("cannot sample from an empty replay: no shard holds transitions")
+        with self._rng_lock:
+            counts = self._rng.multinomial(int(batch_size), T / T.sum())
+        replies = self._gather(
+            {
+                i: self.shards[i].sample_with_priorities.remote(int(k))
+                for i, k in enumerate(counts)
+                if k > 0
+            }
+        )
+        totals.update(replies)  # the totals read together with each shard's sample
+        N = sum(totals[i]["size"] for i in range(self.num_shards))
+        T_all = sum(totals[i]["total"] for i in range(self.num_shards))
+        batches, weights, stored = [], [], []
+        for i, reply in sorted(replies.items()):
+            batch, p, beta = reply["batch"], reply["priorities"], reply["beta"]
+            local = np.power(reply["size"] * p / reply["total"], -beta)
+            stored.append(np.asarray(batch.W, np.float64) * local.max() / local)
+            weights.append(np.power(N * p / T_all, -beta))
+            idx = np.asarray(batch.idx, np.int64) * self.num_shards + i
+            batches.append(batch.replace(idx=idx))
+        out = TransitionBatch.concatenate(*batches)
+        w = np.concatenate(weights)
+        W = np.concatenate(stored) * (w / w.max())
+        return out.replace(W=W.astype(np.asarray(out.W).dtype))
+
+    def _route(self, idx: Any, Adv: Any) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        idx = np.asarray(idx)
+        if idx.ndim != 1 or idx.dtype.kind not in "iu":
+            raise ValueError(f"idx must be a 1-d array of ints, got {idx.dtype}{list(idx.shape)}")
+        if idx.size and idx.min() < 0:
+            raise ValueError(f"idx must be non-negative transition ids, got {idx.min()}")
+        adv = np.asarray(Adv)
+        if adv.dtype.kind not in "biuf":
+            raise TypeError(f"Adv must be a numeric array, got dtype {adv.dtype}")
+        if adv.shape != idx.shape:
+            raise ValueError(f"Adv must have shape {idx.shape} (one per idx), got {adv.shape}")
+        if not np.all(np.isfinite(adv)):
+            raise ValueError(f"Adv must be finite (no NaN or inf), got {Adv!r}")
+        idx = idx.astype(np.int64)
+        owner = idx % self.num_shards
+        return {
+            int(s): (idx[owner == s] // self.num_shards, adv[owner == s]) for s in np.unique(owner)
+        }
+
+    def update(self, idx: Any, Adv: Any, *, wait: bool = True) -> list[Any] | None:
+        """Send new priorities of sampled transitions to the shards that own them.
+
+        Parameters
+        ----------
+        idx : array of int
+            The ``idx`` of a batch from :meth:`sample`.
+        Adv : array
+            The new advantages or TD errors, one per id.
+        wait : bool
+            Wait until every shard applied its part; False returns the Ray object refs
+            (one per shard involved) at once.
+
+        Returns
+        -------
+        None or list of ray.ObjectRef
+
+        Raises
+        ------
+        TypeError, ValueError
+            For ids or values the shards would refuse (checked before anything is sent), or
+            a shard's own error.
+        ReplayShardError, TimeoutError
+            If a shard died or did not answer.
+        """
+        parts = self._route(idx, Adv)
+        refs = {s: self.shards[s].update.remote(i, a) for s, (i, a) in parts.items()}
+        if not wait:
+            return list(refs.values())
+        self._gather(refs)
+        return None
+
+    # -- counters ----------------------------------------------------------------------------
+
+    def totals(self) -> list[dict[str, Any]]:
+        """Every shard's :meth:`ReplayServer.totals` (total priority, size, num_added)."""
+        replies = self._gather({i: s.totals.remote() for i, s in enumerate(self.shards)})
+        return [replies[i] for i in range(self.num_shards)]
+
+    def size(self) -> int:
+        """The number of transitions held by all shards together."""
+        return sum(t["size"] for t in self.totals())
+
+    def num_added(self) -> int:
+        """The number of transitions the shards accepted since they started."""
+        return sum(t["num_added"] for t in self.totals())
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(self, folder: str | os.PathLike) -> str:
+        """Checkpoint every shard and the client's state into ``folder``.
+
+        Each shard writes ``shard-<i>.lz4`` there with :meth:`ReplayServer.save` (on the
+        shard's node: on a multi-node cluster ``folder`` must be shared storage); the client
+        writes ``sharded_replay.json`` (its RNG state, the round-robin position and the rate
+        limiter's counters) last, atomically, so a folder with a manifest is complete.
+
+        Parameters
+        ----------
+        folder : str or path-like
+            The folder (created if missing).
+
+        Returns
+        -------
+        str
+            The absolute path of the folder.
+        """
+        folder = os.path.abspath(os.fspath(folder))
+        os.makedirs(folder, exist_ok=True)
+        refs = {
+            i: s.save.remote(os.path.join(folder, f"shard-{i}.lz4"))
+            for i, s in enumerate(self.shards)
+        }
+        self._gather(refs)
+        limiter = None
+        if self.rate_limiter is not None:
+            limiter = self._get(self.rate_limiter.counts.remote(), None)
+        with self._rng_lock:
+            rng_state = self._rng.bit_generator.state
+        manifest = {
+            "format": _MANIFEST_VERSION,
+            "num_shards": self.num_shards,
+            "next_shard": self._next_shard,
+            "rng": rng_state,
+            "rate_limiter": limiter,
+        }
+        tmp = os.path.join(folder, _MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(manifest, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(folder, _MANIFEST))
+        return folder
+
+    def _read_manifest(self, folder: str) -> dict[str, Any]:
+        path = os.path.join(folder, _MANIFEST)
+        try:
+            with open(path) as f:
+                manifest = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(
+                f"{folder!r} holds no ShardedReplay checkpoint ({_MANIFEST})"
+            ) from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path!r} is corrupted: {exc}") from None
+        keys = {"format", "num_shards", "next_shard", "rng", "rate_limiter"}
+        if not isinstance(manifest, dict) or set(manifest) != keys:
+            raise ValueError(f"{path!r} is not a ShardedReplay manifest (keys {sorted(keys)})")
+        if manifest["format"] != _MANIFEST_VERSION:
+            raise ValueError(f"{path!r} has format {manifest['format']!r}, expected 1")
+        if manifest["num_shards"] != self.num_shards:
+            raise ValueError(
+                f"{folder!r} holds {manifest['num_shards']!r} shards, this replay has "
+                f"{self.num_shards}"
+            )
+        if not _is_int(manifest["next_shard"]) or not 0 <= manifest["next_shard"] < self.num_shards:
+            raise ValueError(f"{path!r}: next_shard {manifest['next_shard']!r} is out of range")
+        counts = manifest["rate_limiter"]
+        if counts is not None and (
+            not isinstance(counts, dict) or set(counts) != {"inserts", "samples"}
+        ):
+            raise ValueError(f"{path!r}: rate_limiter must be null or inserts/samples counts")
+        if (counts is None) != (self.rate_limiter is None):
+            raise ValueError(
+                f"{folder!r} was saved {'without' if counts is None else 'with'} a rate "
+                f"limiter, this replay has {'one' if self.rate_limiter is not None else 'none'}"
+            )
+        for name in (f"shard-{i}.lz4" for i in range(self.num_shards)):
+            if not os.path.isfile(os.path.join(folder, name)):
+                raise ValueError(f"{folder!r} lacks {name}")
+        return manifest
+
+    def restore(self, folder: str | os.PathLike) -> int:
+        """Restore every shard and the client's state from a folder written by :meth:`save`.
+
+        The shards' buffers (with their RNG states), the client's RNG, the round-robin
+        position and the rate limiter's counters continue where they were saved, so the
+        samples that follow equal those the saved replay would have drawn.
+
+        Parameters
+        ----------
+        folder : str or path-like
+            A folder written by :meth:`save` for the same number of shards.
+
+        Returns
+        -------
+        int
+            The number of transitions held after the restore.
+
+        Raises
+        ------
+        ValueError
+            If the manifest is missing, corrupted or made for another number of shards or
+            for a replay with(out) a rate limiter, or a shard file is missing; nothing is
+            changed. A shard's own error if its file is corrupted (the shards restored
+            before it keep their restored buffers).
+        """
+        folder = os.path.abspath(os.fspath(folder))
+        manifest = self._read_manifest(folder)
+        rng = np.random.default_rng()
+        try:
+            rng.bit_generator.state = manifest["rng"]
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"{folder!r}: bad RNG state in the manifest: {exc}") from None
+        sizes = self._gather(
+            {
+                i: s.restore.remote(os.path.join(folder, f"shard-{i}.lz4"))
+                for i, s in enumerate(self.shards)
+            }
+        )
+        if manifest["rate_limiter"] is not None:
+            counts = manifest["rate_limiter"]
+            ref = self.rate_limiter.set_counts.remote(counts["inserts"], counts["samples"])
+            self._get(ref, None)
+        with self._rng_lock:
+            self._rng = rng
+        self._next_shard = manifest["next_shard"]
+        return int(sum(sizes.values()))

@@ -1,0 +1,98 @@
+"""RateLimiter on a real local Ray cluster: waits, time-outs, and with replay shards."""
+
+import time
+
+import numpy as np
+import pytest
+
+from coax_utils.distributed import RateLimiter, ShardedReplay
+from coax_utils.replay import SimpleReplayBuffer
+from tests.distributed._data import make_batch
+
+
+def _pending(ray, ref, seconds=0.5):
+    ready, _ = ray.wait([ref], timeout=seconds)
+    return not ready
+
+
+def test_samples_wait_for_min_size_and_the_ratio(ray_cluster):
+    ray = ray_cluster
+    limiter = RateLimiter.remote(min_size_to_sample=10, samples_per_insert=2.0, error_buffer=20.0)
+    with pytest.raises(TimeoutError, match="a sample of 1 transitions waited"):
+        ray.get(limiter.sample.remote(1, 0.2))  # fewer than min_size_to_sample inserted
+    ray.get(limiter.insert.remote(10))
+    ray.get(limiter.sample.remote(20, 0))  # 2 * 10 - 20 = 0 >= 2 * 10 - 20
+    with pytest.raises(TimeoutError, match="inserts=10, samples=20"):
+        ray.get(limiter.sample.remote(1, 0.2))  # sampling would run ahead
+    assert ray.get(limiter.counts.remote()) == {"inserts": 10, "samples": 20}
+
+    # a waiting sample proceeds once enough is inserted
+    waiting = limiter.sample.remote(4, 30)
+    assert _pending(ray, waiting)
+    ray.get(limiter.insert.remote(2))
+    ray.get(waiting, timeout=10)
+    assert ray.get(limiter.counts.remote()) == {"inserts": 12, "samples": 24}
+
+
+def test_inserts_wait_while_they_run_ahead(ray_cluster):
+    ray = ray_cluster
+    limiter = RateLimiter.remote(min_size_to_sample=10, samples_per_insert=2.0, error_buffer=20.0)
+    ray.get(limiter.insert.remote(20))  # 2 * 20 - 0 = 40 <= 2 * 10 + 20
+    with pytest.raises(TimeoutError, match="an insert|a insert"):
+        ray.get(limiter.insert.remote(1, 0.2))
+    waiting = limiter.insert.remote(3, 30)
+    assert _pending(ray, waiting)
+    ray.get(limiter.sample.remote(5))  # 2 * 23 - 5 = 41 > 40: still waits
+    assert _pending(ray, waiting, 0.3)
+    ray.get(limiter.sample.remote(1))  # 46 - 6 = 40: allowed
+    ray.get(waiting, timeout=10)
+    assert ray.get(limiter.counts.remote()) == {"inserts": 23, "samples": 6}
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="min_size_to_sample"):
+        RateLimiter.remote(0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="samples_per_insert"):
+        RateLimiter(1, 0.0, 1.0)
+    with pytest.raises(ValueError, match="error_buffer must be >= max"):
+        RateLimiter(1, 4.0, 2.0)
+    with pytest.raises(TypeError, match="min_size_to_sample"):
+        RateLimiter(1.5, 1.0, 1.0)
+    limiter = RateLimiter(1, 1.0, 4.0)
+    with pytest.raises(ValueError, match="can never fit"):
+        limiter.sample(9)
+    with pytest.raises(ValueError, match="timeout"):
+        limiter.insert(1, timeout=-1.0)
+    with pytest.raises(ValueError, match="cannot release"):
+        limiter.release_inserts(1)
+    assert limiter.counts() == {"inserts": 0, "samples": 0}
+
+
+def test_shard_adds_and_client_samples_follow_the_limiter(ray_cluster):
+    ray = ray_cluster
+    limiter = RateLimiter.remote(min_size_to_sample=8, samples_per_insert=1.0, error_buffer=16.0)
+    replay = ShardedReplay(
+        [SimpleReplayBuffer(100, random_seed=s) for s in (1, 2)], rate_limiter=limiter
+    )
+    with pytest.raises(TimeoutError, match="fewer|a sample of 4"):
+        replay.sample(4, timeout=0.2)
+    replay.add(make_batch(0, 0, 8))
+    replay.add(make_batch(0, 8, 8))  # inserts 16: 16 - 0 <= 8 + 16
+    blocked = replay.add(make_batch(0, 16, 16), wait=False)  # 32 - 0 > 24: waits
+    assert _pending(ray, blocked)
+    assert replay.size() == 16
+    replay.sample(8, timeout=5)  # 32 - 8 = 24: the add may go on
+    assert ray.get(blocked, timeout=10) == 16
+    assert replay.size() == 32
+    # a batch the buffer rejects gives its insert permission back
+    replay.sample(8, timeout=5)  # room for 4 more inserts: 36 - 16 <= 24
+    bad = make_batch(0, 0, 4).replace(S=np.zeros((4, 5), np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        replay.add(bad)
+    assert ray.get(limiter.counts.remote()) == {"inserts": 32, "samples": 16}
+    # one shard behind the limiter works the same
+    single = ShardedReplay([SimpleReplayBuffer(10)], rate_limiter=limiter, insert_timeout=0.2)
+    tic = time.monotonic()
+    with pytest.raises(TimeoutError, match="rate limiter"):
+        single.add(make_batch(0, 0, 9))  # 41 - 16 > 24
+    assert time.monotonic() - tic < 10

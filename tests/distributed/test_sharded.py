@@ -1,0 +1,252 @@
+"""ShardedReplay on a real local Ray cluster: exact sampling, routing, failures, checkpoints."""
+
+import time
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from coax_utils.distributed import (
+    PrefetchingSampler,
+    RateLimiter,
+    ReplayShardError,
+    ShardedReplay,
+)
+from coax_utils.replay import PrioritizedReplayBuffer, SimpleReplayBuffer, TransitionBatch
+from tests.distributed._data import keys, make_batch
+
+ALPHA, BETA, EPS = 0.7, 0.5, 1e-4
+
+
+def _prioritized(seeds, capacity=200):
+    return [
+        PrioritizedReplayBuffer(capacity, alpha=ALPHA, beta=BETA, epsilon=EPS, random_seed=s)
+        for s in seeds
+    ]
+
+
+def _fill(replay, adv_by_shard):
+    """Rows of writer ``s`` go to shard ``s`` with the given advantages; returns key -> adv."""
+    expected = {}
+    for s, adv in enumerate(adv_by_shard):
+        batch = make_batch(s, 0, len(adv))
+        replay.add(batch, adv, shard=s)
+        expected.update(zip(keys(batch.S), adv))
+    return expected
+
+
+def _draw(sample, calls, batch_size):
+    counts, batches = {}, []
+    for _ in range(calls):
+        batch = sample(batch_size)
+        batches.append(batch)
+        for k in keys(batch.S):
+            counts[k] = counts.get(k, 0) + 1
+    return counts, batches
+
+
+def test_prioritized_sampling_across_shards_equals_one_buffer(ray_cluster):
+    rng = np.random.default_rng(0)
+    # shard 1 holds more and larger priorities: the shards' totals differ by ~5x
+    adv = [rng.uniform(0.0, 1.0, 20), rng.uniform(0.5, 3.0, 40)]
+    replay = ShardedReplay(_prioritized([1, 2]), seed=3)
+    expected_adv = _fill(replay, adv)
+    local = _prioritized([4], capacity=400)[0]
+    for s, a in enumerate(adv):
+        local.add(make_batch(s, 0, len(a)), a)
+
+    items = sorted(expected_adv)
+    priority = np.array([(expected_adv[k] + EPS) ** ALPHA for k in items])
+    P = dict(zip(items, priority / priority.sum()))
+    N = len(items)
+
+    calls, size = 40, 250
+    sharded_counts, sharded_batches = _draw(replay.sample, calls, size)
+    local_counts, local_batches = _draw(local.sample, calls, size)
+    f_sharded = np.array([sharded_counts.get(k, 0) for k in items])
+    f_local = np.array([local_counts.get(k, 0) for k in items])
+    exact = np.array([P[k] for k in items]) * calls * size
+    # goodness of fit against the exact distribution of one buffer, and against the buffer
+    assert stats.chisquare(f_sharded, exact).pvalue > 1e-4
+    assert stats.chi2_contingency(np.stack([f_sharded, f_local])).pvalue > 1e-4
+    tv = 0.5 * np.abs(f_sharded / f_sharded.sum() - f_local / f_local.sum()).sum()
+    assert tv < 0.05
+
+    # importance weights: (N P(i))^-beta normalised per batch, from one buffer and from shards
+    for batch in sharded_batches[:5] + local_batches[:5]:
+        w = np.array([(N * P[k]) ** -BETA for k in keys(batch.S)])
+        np.testing.assert_allclose(batch.W, w / w.max(), rtol=1e-5)
+
+    # ids encode the owning shard: writer s's rows live on shard s
+    batch = sharded_batches[0]
+    np.testing.assert_array_equal(batch.idx % 2, batch.S[:, 0].astype(int))
+    assert replay.size() == N and replay.num_added() == N
+
+
+def test_uniform_shards_of_different_sizes_sample_uniformly(ray_cluster):
+    buffers = [SimpleReplayBuffer(100, random_seed=s) for s in (1, 2, 3)]
+    replay = ShardedReplay(buffers, seed=0)
+    for s, n in enumerate((5, 15, 40)):
+        replay.add(make_batch(s, 0, n), shard=s)
+    counts, batches = _draw(replay.sample, 20, 300)
+    assert len(counts) == 60
+    f = np.array(list(counts.values()))
+    assert stats.chisquare(f).pvalue > 1e-4
+    assert all(np.all(b.W == 1.0) for b in batches)
+
+
+def test_updates_are_routed_to_the_owning_shard(ray_cluster):
+    replay = ShardedReplay(_prioritized([1, 2]), seed=0)
+    _fill(replay, [np.ones(30), np.ones(30)])
+    batch = replay.sample(64)
+    favourite = int(batch.idx[np.nonzero(batch.idx % 2 == 1)[0][0]])  # on shard 1
+    replay.update(batch.idx, np.where(batch.idx == favourite, 1e4, 0.0))
+    after = replay.sample(400)
+    assert np.mean(after.idx == favourite) > 0.5
+    # bad ids or values are refused before anything is sent
+    with pytest.raises(ValueError, match="idx"):
+        replay.update(np.array([-1]), np.array([1.0]))
+    with pytest.raises(ValueError, match="shape"):
+        replay.update(batch.idx, np.ones(3))
+    with pytest.raises(ValueError, match="finite"):
+        replay.update(batch.idx[:1], np.array([np.nan]))
+    assert np.mean(replay.sample(400).idx == favourite) > 0.5
+
+
+def test_round_robin_adds_and_argument_errors(ray_cluster):
+    replay = ShardedReplay([SimpleReplayBuffer(50, random_seed=s) for s in (1, 2)])
+    for i in range(4):
+        assert replay.add(make_batch(0, 10 * i, 10)) == 10
+    assert [t["size"] for t in replay.totals()] == [20, 20]
+    with pytest.raises(ValueError, match="shard must be"):
+        replay.add(make_batch(0, 0, 2), shard=2)
+    with pytest.raises(TypeError, match="TransitionBatch"):
+        replay.add({"S": 1})
+    with pytest.raises(ValueError, match="batch_size"):
+        replay.sample(0)
+    with pytest.raises(TypeError, match="one type"):
+        ShardedReplay([SimpleReplayBuffer(5), PrioritizedReplayBuffer(5)])
+    with pytest.raises(ValueError, match="share beta"):
+        ShardedReplay([PrioritizedReplayBuffer(5, beta=0.4), PrioritizedReplayBuffer(5)])
+    with pytest.raises(ValueError, match="at least one"):
+        ShardedReplay([])
+    empty = ShardedReplay([SimpleReplayBuffer(5)])
+    with pytest.raises(ValueError, match="empty"):
+        empty.sample(4)
+
+
+def test_a_killed_shard_is_named_on_the_next_call(ray_cluster):
+    ray = ray_cluster
+    replay = ShardedReplay(_prioritized([1, 2]), seed=0, timeout=20.0)
+    _fill(replay, [np.ones(10), np.ones(10)])
+    sampler = PrefetchingSampler(replay, 8, num_in_flight=2)
+    sampler.sample()
+    ray.kill(replay.shards[1])
+    tic = time.monotonic()
+    with pytest.raises(ReplayShardError, match="replay shard 1 of 2"):
+        for _ in range(4):  # the batches prefetched before the kill may still arrive
+            sampler.sample()
+    with pytest.raises(ReplayShardError, match="replay shard 1 of 2"):
+        replay.add(make_batch(1, 10, 2), shard=1)
+    with pytest.raises(ReplayShardError, match="replay shard 1 of 2"):
+        replay.update(np.array([1]), np.array([1.0]))
+    assert time.monotonic() - tic < 15.0  # no hang
+    assert replay.add(make_batch(0, 10, 2), shard=0) == 2  # the live shard still serves
+    sampler.close()
+
+
+class _Writer:
+    """Adds writer-tagged batches through a ShardedReplay until told to stop."""
+
+    def run(self, replay, writer, num_batches, batch_size):
+        for i in range(num_batches):
+            replay.add(make_batch(writer, i * batch_size, batch_size))
+        return num_batches * batch_size
+
+
+def test_a_killed_writer_leaves_the_shards_and_other_writers_intact(ray_cluster):
+    ray = ray_cluster
+    replay = ShardedReplay([SimpleReplayBuffer(10_000, random_seed=s) for s in (1, 2)])
+    Writer = ray.remote(_Writer)
+    doomed, survivor = Writer.remote(), Writer.remote()
+    doomed_ref = doomed.run.remote(replay, 0, 10_000, 5)
+    survivor_ref = survivor.run.remote(replay, 1, 40, 5)
+    while replay.num_added() < 100:
+        time.sleep(0.05)
+    ray.kill(doomed)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(doomed_ref, timeout=30)
+    assert ray.get(survivor_ref, timeout=60) == 200
+    stored = [k for s in replay.shards for tr in ray.get(s.snapshot.remote()) for k in keys(tr.S)]
+    assert len(stored) == len(set(stored)) == replay.size() == replay.num_added()
+    assert sorted(k for k in stored if k[0] == 1) == [(1, i) for i in range(200)]
+    doomed_rows = sorted(seq for w, seq in stored if w == 0)
+    assert len(doomed_rows) % 5 == 0 and len(doomed_rows) >= 50  # whole batches only
+    assert set(doomed_rows) == set(range(len(doomed_rows)))  # a prefix: its calls in order
+    assert replay.sample(16).batch_size == 16
+
+
+def _assert_same(a, b):
+    for field in ("S", "A", "Rn", "W", "idx"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+
+
+def test_save_and_restore_all_shards_continue_the_rng_streams(ray_cluster, tmp_path):
+    ray = ray_cluster
+    limiter = RateLimiter.remote(min_size_to_sample=4, samples_per_insert=100.0, error_buffer=1e6)
+    replay = ShardedReplay(_prioritized([1, 2]), rate_limiter=limiter, seed=5)
+    _fill(replay, [np.linspace(0, 1, 20), np.linspace(1, 2, 30)])
+    replay.add(make_batch(7, 0, 3))  # round robin moves on
+    replay.sample(8)
+    folder = replay.save(tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "shard-0.lz4",
+        "shard-1.lz4",
+        "sharded_replay.json",
+    ]
+    counts = ray.get(limiter.counts.remote())
+    after_save = [replay.sample(16) for _ in range(3)]
+    replay.add(make_batch(8, 0, 2))
+
+    limiter2 = RateLimiter.remote(min_size_to_sample=4, samples_per_insert=100.0, error_buffer=1e6)
+    other = ShardedReplay(_prioritized([11, 12]), rate_limiter=limiter2, seed=99)
+    assert other.restore(folder) == 53
+    assert ray.get(limiter2.counts.remote()) == counts
+    for expected in after_save:
+        _assert_same(other.sample(16), expected)
+    other.add(make_batch(8, 0, 2))
+    assert [t["size"] for t in other.totals()] == [t["size"] for t in replay.totals()]
+
+    # one shard on its own: ReplayServer.save/restore
+    path = ray.get(replay.shards[0].save.remote(tmp_path / "one.lz4"))
+    assert ray.get(other.shards[0].restore.remote(path)) == ray.get(replay.shards[0].size.remote())
+
+    # a checkpoint for another layout is refused, nothing changes
+    two = ShardedReplay(_prioritized([1, 2, 3]))
+    with pytest.raises(ValueError, match="holds 2 shards"):
+        two.restore(folder)
+    no_limiter = ShardedReplay(_prioritized([1, 2]))
+    with pytest.raises(ValueError, match="rate limiter"):
+        no_limiter.restore(folder)
+    with pytest.raises(ValueError, match="no ShardedReplay checkpoint"):
+        no_limiter.restore(tmp_path)
+    assert no_limiter.size() == 0
+
+
+def test_prefetching_sampler_serves_batches_and_sends_updates(ray_cluster):
+    replay = ShardedReplay(_prioritized([1, 2]), seed=0)
+    _fill(replay, [np.ones(30), np.ones(30)])
+    with PrefetchingSampler(replay, 32, num_in_flight=3, max_pending_updates=2) as sampler:
+        favourite = None
+        for _ in range(10):
+            batch = sampler.sample()
+            assert isinstance(batch, TransitionBatch) and batch.batch_size == 32
+            favourite = int(batch.idx[0]) if favourite is None else favourite
+            sampler.update(batch.idx, np.where(batch.idx == favourite, 1e4, 1e-3))
+    with pytest.raises(RuntimeError, match="closed"):
+        sampler.sample()
+    assert np.mean(replay.sample(400).idx == favourite) > 0.5  # the updates all landed
+    with pytest.raises(ValueError, match="num_in_flight"):
+        PrefetchingSampler(replay, 32, num_in_flight=0)
+    with pytest.raises(TypeError, match="sample and update"):
+        PrefetchingSampler(object(), 32)
