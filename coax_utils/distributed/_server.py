@@ -234,30 +234,23 @@ class ReplayServer(RemoteClass):
         with self._lock:
             batch = self._buffer.sample(batch_size)
             info = self._totals()
-            tree = self._priority_tree()
-            if tree is None:
+            if self._prioritized():
+                info["priorities"] = self._buffer.priorities(batch.idx)
+                info["beta"] = float(self._buffer.beta)
+            else:
                 info["priorities"] = np.ones(batch.batch_size)
                 info["beta"] = 0.0
-            else:
-                slots = np.asarray(batch.idx, np.int64) % self._buffer.capacity
-                info["priorities"] = np.asarray(tree.values[slots], np.float64)
-                info["beta"] = float(self._buffer.beta)
         info["batch"] = batch
         return info
 
-    def _priority_tree(self) -> Any:
+    def _prioritized(self) -> bool:
         from coax_utils.replay import PrioritizedReplayBuffer
 
-        if isinstance(self._buffer, PrioritizedReplayBuffer):
-            # The buffer's sum tree of priorities (read only): PrioritizedReplayBuffer has no
-            # public accessor for the priorities of given ids or their total yet.
-            return self._buffer._tree
-        return None
+        return isinstance(self._buffer, PrioritizedReplayBuffer)
 
     def _totals(self) -> dict[str, Any]:
         size = len(self._buffer)
-        tree = self._priority_tree()
-        total = float(size) if tree is None or size == 0 else float(tree.root_value)
+        total = self._buffer.total_priority if self._prioritized() else float(size)
         return {"total": total, "size": size, "num_added": self._num_added}
 
     def num_added(self) -> int:

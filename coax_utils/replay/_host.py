@@ -1369,6 +1369,38 @@ class PrioritizedReplayBuffer(_RingStorage):
         W /= W.max()
         return self._gather(slots, W, targets)
 
+    @property
+    def total_priority(self) -> float:
+        """The sum of the priorities of the stored transitions (0 when empty)."""
+        return float(self._tree.root_value) if self._count else 0.0
+
+    def priorities(self, idx: Any) -> np.ndarray:
+        """The current priorities :math:`(|\\mathcal{A}| + \\epsilon)^\\alpha` of stored
+        transitions.
+
+        Parameters
+        ----------
+        idx : array of int, shape ``(k,)``
+            Transition ids, the ``idx`` of a sampled batch.
+
+        Returns
+        -------
+        priorities : float64 array, shape ``(k,)``
+
+        Raises
+        ------
+        TypeError
+            If ``idx`` is not integers.
+        ValueError
+            If an id is not held by the buffer (never issued, or overwritten since).
+        """
+        idx = _check_ids(idx)
+        slots = idx % self._capacity
+        held = self._ids[slots] == idx
+        if not held.all():
+            raise ValueError(f"ids {idx[~held][:5].tolist()} are not held by the buffer")
+        return np.asarray(self._tree.values[slots], np.float64)
+
     def update(self, idx: Any, Adv: Any) -> None:
         """Update the priorities of transitions sampled earlier.
 

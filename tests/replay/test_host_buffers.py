@@ -309,3 +309,16 @@ def test_mixed_small_dtypes_round_trip_through_packed_rows():
         ):
             assert got.dtype == stored.dtype and got.shape[1:] == stored.shape[1:]
             np.testing.assert_array_equal(got, stored[sample.idx])
+
+
+def test_priorities_and_total_priority_of_held_transitions():
+    buffer = PrioritizedReplayBuffer(4, alpha=1.0, epsilon=0.5, random_seed=0)
+    assert buffer.total_priority == 0.0
+    buffer.add(batch(np.arange(6)), Adv=np.array([1.0, -2.0, 3.0, -4.0, 5.0, -6.0]))
+    # ids 0 and 1 were overwritten by 4 and 5
+    np.testing.assert_allclose(buffer.priorities([2, 5, 4]), [3.5, 6.5, 5.5])
+    assert buffer.total_priority == pytest.approx(3.5 + 4.5 + 5.5 + 6.5)
+    with pytest.raises(ValueError, match=r"ids \[0\] are not held"):
+        buffer.priorities([0])
+    with pytest.raises(TypeError):
+        buffer.priorities([1.5])
