@@ -1,6 +1,9 @@
 """Transitions, n-step tracing, and replay buffers (host-side and jittable)."""
 
-from coax_utils.replay._functional import PrioritizedBuffer  # noqa: I001 (one name per line)
+from coax_utils.replay._frames import FrameStackReplayBuffer  # noqa: I001 (one name per line)
+from coax_utils.replay._frames import PrioritizedFrameStackReplayBuffer
+from coax_utils.replay._frames import frame_fingerprints
+from coax_utils.replay._functional import PrioritizedBuffer
 from coax_utils.replay._functional import PrioritizedBufferState
 from coax_utils.replay._functional import PrioritizedSample
 from coax_utils.replay._functional import UniformBuffer
@@ -20,11 +23,13 @@ from coax_utils.replay._transition import TransitionBatch
 
 __all__ = [
     "EpisodeDoneError",
+    "FrameStackReplayBuffer",
     "InsufficientCacheError",
     "MonteCarlo",
     "NStep",
     "PrioritizedBuffer",
     "PrioritizedBufferState",
+    "PrioritizedFrameStackReplayBuffer",
     "PrioritizedReplayBuffer",
     "PrioritizedSample",
     "RecordTransitions",
@@ -32,6 +37,7 @@ __all__ = [
     "SequenceSample",
     "SimpleReplayBuffer",
     "TransitionBatch",
+    "frame_fingerprints",
     "UniformBuffer",
     "UniformBufferState",
     "make_prioritized_buffer",
