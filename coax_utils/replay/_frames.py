@@ -98,6 +98,7 @@ class _FrameStacks:
         self._frame_count = 0
         self._fingerprints: np.ndarray | None = None
         self._recent: dict[int, int] = {}  # fingerprint -> id, of the newest frames
+        self._positions: tuple | None = None  # (treedef, leaf of S, leaf of S_next)
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -274,8 +275,11 @@ class _FrameStacks:
     def _stack_leaves(self) -> tuple[np.ndarray, np.ndarray]:
         """The stored frame ids of ``S`` and ``S_next``, ``(capacity, stack_size)`` each."""
         treedef = self._treedef  # type: ignore[attr-defined]
-        skeleton = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
-        return self._storage[skeleton.S], self._storage[skeleton.S_next]  # type: ignore
+        if self._positions is None or self._positions[0] is not treedef:
+            skeleton = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+            self._positions = (treedef, skeleton.S, skeleton.S_next)
+        _, s, s_next = self._positions
+        return self._storage[s], self._storage[s_next]  # type: ignore[attr-defined]
 
     def _live(self, slots: np.ndarray) -> np.ndarray:
         """Whether the transitions in ``slots`` still have all their frames."""
@@ -307,11 +311,14 @@ class _FrameStacks:
         self, slots: np.ndarray, W: np.ndarray | None = None, out: list | None = None
     ) -> TransitionBatch:
         batch = super()._gather(slots, W, out)  # type: ignore[misc]
-        ids = np.concatenate([batch.S, batch.S_next]) % self._frame_capacity
-        frame_shape = self._frames.shape[1:]
-        n, k = len(slots), self._stack_size
-        stacks = np.empty((2, n, k) + frame_shape, self._frames.dtype)
-        np.take(self._frames, ids.ravel(), axis=0, out=stacks.reshape((-1,) + frame_shape))
+        frames = self._frames
+        n, k, frame_shape = len(slots), self._stack_size, frames.shape[1:]
+        ids = np.empty((2, n, k), np.int64)
+        np.remainder(batch.S, self._frame_capacity, out=ids[0])
+        np.remainder(batch.S_next, self._frame_capacity, out=ids[1])
+        stacks = np.empty((2, n, k) + frame_shape, frames.dtype)
+        flat = stacks.reshape((-1,) + frame_shape)
+        np.take(frames, ids.reshape(-1), axis=0, out=flat, mode="clip")
         return batch.replace(S=stacks[0], S_next=stacks[1])
 
     def __iter__(self) -> Iterator[TransitionBatch]:
