@@ -3,6 +3,9 @@
 from coax_utils.replay._frames import FrameStackReplayBuffer  # noqa: I001 (one name per line)
 from coax_utils.replay._frames import PrioritizedFrameStackReplayBuffer
 from coax_utils.replay._frames import frame_fingerprints
+from coax_utils.replay._frames_functional import FrameStackBuffer
+from coax_utils.replay._frames_functional import FrameStackBufferState
+from coax_utils.replay._frames_functional import make_frame_stack_buffer
 from coax_utils.replay._functional import PrioritizedBuffer
 from coax_utils.replay._functional import PrioritizedBufferState
 from coax_utils.replay._functional import PrioritizedSample
@@ -23,6 +26,8 @@ from coax_utils.replay._transition import TransitionBatch
 
 __all__ = [
     "EpisodeDoneError",
+    "FrameStackBuffer",
+    "FrameStackBufferState",
     "FrameStackReplayBuffer",
     "InsufficientCacheError",
     "MonteCarlo",
@@ -38,6 +43,7 @@ __all__ = [
     "SimpleReplayBuffer",
     "TransitionBatch",
     "frame_fingerprints",
+    "make_frame_stack_buffer",
     "UniformBuffer",
     "UniformBufferState",
     "make_prioritized_buffer",
