@@ -52,6 +52,16 @@ def test_dqn_cartpole_smoke(tmp_path):
     )
 
 
+def test_dqn_atari_smoke(tmp_path):
+    stdout = run_example("dqn_atari.py", "--smoke", "--outdir", str(tmp_path))
+    assert "smoke run finished" in stdout
+    from coax_utils.replay import PrioritizedFrameStackReplayBuffer
+
+    buffer = PrioritizedFrameStackReplayBuffer.load(tmp_path / "buffer")
+    assert len(buffer) > 0 and buffer.frame_count <= len(buffer) + 10
+    assert buffer.sample(2).S.shape == (2, 4, 84, 84)
+
+
 def test_iqn_cartpole_smoke(tmp_path):
     stdout = run_example("iqn_cartpole.py", "--smoke", "--outdir", str(tmp_path))
     assert "step    300  episodes" in stdout

@@ -1,6 +1,12 @@
 """Transitions, n-step tracing, and replay buffers (host-side and jittable)."""
 
-from coax_utils.replay._functional import PrioritizedBuffer  # noqa: I001 (one name per line)
+from coax_utils.replay._frames import FrameStackReplayBuffer  # noqa: I001 (one name per line)
+from coax_utils.replay._frames import PrioritizedFrameStackReplayBuffer
+from coax_utils.replay._frames import frame_fingerprints
+from coax_utils.replay._frames_functional import FrameStackBuffer
+from coax_utils.replay._frames_functional import FrameStackBufferState
+from coax_utils.replay._frames_functional import make_frame_stack_buffer
+from coax_utils.replay._functional import PrioritizedBuffer
 from coax_utils.replay._functional import PrioritizedBufferState
 from coax_utils.replay._functional import PrioritizedSample
 from coax_utils.replay._functional import UniformBuffer
@@ -20,11 +26,15 @@ from coax_utils.replay._transition import TransitionBatch
 
 __all__ = [
     "EpisodeDoneError",
+    "FrameStackBuffer",
+    "FrameStackBufferState",
+    "FrameStackReplayBuffer",
     "InsufficientCacheError",
     "MonteCarlo",
     "NStep",
     "PrioritizedBuffer",
     "PrioritizedBufferState",
+    "PrioritizedFrameStackReplayBuffer",
     "PrioritizedReplayBuffer",
     "PrioritizedSample",
     "RecordTransitions",
@@ -32,6 +42,8 @@ __all__ = [
     "SequenceSample",
     "SimpleReplayBuffer",
     "TransitionBatch",
+    "frame_fingerprints",
+    "make_frame_stack_buffer",
     "UniformBuffer",
     "UniformBufferState",
     "make_prioritized_buffer",

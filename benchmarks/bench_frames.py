@@ -1,0 +1,275 @@
+"""Frame-stacked replay (84x84 uint8 frames, stacks of k = 4) against cpprb, in one run.
+
+1. memory: RSS of a buffer of 100k transitions, measured in a fresh subprocess (VmRSS before
+   and after filling it), extrapolated to 1M transitions;
+2. sampling 32 transitions (S and S_next): FrameStackReplayBuffer vs a plain memcpy of the
+   output bytes vs cpprb's ReplayBuffer with ``next_of`` and ``stack_compress`` (same
+   capacity, same stream);
+3. adding one step: FrameStackReplayBuffer.add vs cpprb's add (both full, overwriting);
+4. jitted sampling from make_frame_stack_buffer vs ``jnp.take`` of the same stacks from a
+   dense ``(N, k, 84, 84)`` array.
+
+Every variant is checked for correctness before it is timed.
+
+Usage: ``python benchmarks/bench_frames.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_replay import report, round_robin  # noqa: E402
+
+from coax_utils.replay import FrameStackReplayBuffer, TransitionBatch  # noqa: E402
+
+K, SHAPE = 4, (84, 84)
+FRAME_BYTES = int(np.prod(SHAPE))
+
+
+def frame_stream(n: int, episode: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` distinct random frames and, per step, whether it starts an episode."""
+    frames = np.random.default_rng(seed).integers(0, 256, (n,) + SHAPE, dtype=np.uint8)
+    return frames, np.arange(n) % episode == 0
+
+
+def stacks(frames: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """For every step t the frame indices of FrameStackObservation's stack (k, reset padding)."""
+    first = np.maximum.accumulate(np.where(starts, np.arange(len(starts)), 0))
+    t = np.arange(len(starts))[:, None] - np.arange(K - 1, -1, -1)[None, :]
+    return np.maximum(t, first[:, None])
+
+
+def batch_of(frames, idx, rows) -> TransitionBatch:
+    """1-step transitions (t -> t+1) for the rows ``rows`` of the stack indices ``idx``."""
+    n = len(rows)
+    return TransitionBatch(
+        S=frames[idx[rows]],
+        A=np.zeros(n, np.int32),
+        logP=np.zeros(n, np.float32),
+        Rn=np.ones(n, np.float32),
+        In=np.full(n, 0.99, np.float32),
+        S_next=frames[idx[rows + 1]],
+    )
+
+
+# -- 1: memory ----------------------------------------------------------------------------------
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def memory_child(n: int) -> None:
+    """Fill a buffer of ``n`` transitions; print RSS before and after as JSON."""
+    episode = 1000
+    frames, starts = frame_stream(n + episode, episode)
+    idx = stacks(frames, starts)
+    ends = np.flatnonzero(np.r_[starts[1:], True])  # no transition across an episode end
+    before = _rss() - frames.nbytes
+    buffer = FrameStackReplayBuffer(capacity=n, stack_size=K)
+    rows = np.setdiff1d(np.arange(len(frames) - 1), ends)[:n]
+    for lo in range(0, n, 500):
+        buffer.add(batch_of(frames, idx, rows[lo : lo + 500]))
+    after = _rss() - frames.nbytes
+    sample = buffer.sample(8)
+    assert np.array_equal(sample.S, frames[idx[rows[sample.idx]]])
+    print(json.dumps(dict(before=before, after=after, len=len(buffer), frames=buffer.frame_count)))
+
+
+def memory(n: int) -> None:
+    # a fixed mmap threshold: glibc returns freed temporaries (batches being added) to the
+    # OS instead of keeping them in the heap, so RSS measures the buffer
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "262144"}
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-child", str(n)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    per = (r["after"] - r["before"]) / n
+    print(f"\n1. memory of FrameStackReplayBuffer, {n} transitions, k={K}, 84x84 uint8")
+    print(f"  process RSS before {r['before'] / 2**30:.2f} GiB, after {r['after'] / 2**30:.2f} GiB")
+    print(f"  frames stored {r['frames']} for {r['len']} transitions")
+    print(f"  buffer bytes per transition {per:.0f} (one frame is {FRAME_BYTES})")
+    total = r["before"] + per * 1_000_000
+    print(
+        f"  extrapolated to 1M transitions: {per * 1e6 / 1e9:.2f} GB buffer, process "
+        f"{total / 1e9:.2f} GB (target <= 7.5 GB; frames alone {FRAME_BYTES * 1e6 / 1e9:.2f} GB)"
+    )
+
+
+# -- 2 and 3: sampling and adding against cpprb ---------------------------------------------
+
+
+def host(capacity: int, reps: int, rep_seconds: float) -> None:
+    import cpprb
+
+    episode = 1000
+    n = capacity + 20_000
+    frames, starts = frame_stream(n, episode, seed=1)
+    idx = stacks(frames, starts)
+    ends = np.r_[starts[1:], True]
+    ours = FrameStackReplayBuffer(capacity=capacity, stack_size=K, random_seed=0)
+    peer = cpprb.ReplayBuffer(
+        capacity,
+        env_dict={
+            "obs": {"shape": SHAPE + (K,), "dtype": np.uint8},
+            "act": {"dtype": np.int32},
+            "rew": {},
+            "done": {},
+        },
+        next_of="obs",
+        stack_compress="obs",
+    )
+    frames_last = np.ascontiguousarray(frames.transpose(1, 2, 0))  # cpprb stacks on the last axis
+
+    def peer_add(t):
+        peer.add(
+            obs=frames_last[..., idx[t]],
+            act=0,
+            rew=1.0,
+            next_obs=frames_last[..., idx[t + 1]],
+            done=0.0,
+        )
+        if ends[t]:
+            peer.on_episode_end()
+
+    fill = [t for t in range(capacity + 1000) if not ends[t]][:capacity]
+    for lo in range(0, capacity, 1000):
+        ours.add(batch_of(frames, idx, np.array(fill[lo : lo + 1000])))
+    for t in fill:
+        peer_add(t)
+    # correctness: both return the stacks of the stream
+    b = ours.sample(64)
+    assert np.array_equal(b.S, frames[idx[np.array(fill)[b.idx]]])
+    assert np.array_equal(b.S_next, frames[idx[np.array(fill)[b.idx] + 1]])
+    p = peer.sample(64)
+    assert p["obs"].shape == (64,) + SHAPE + (K,) and np.any(p["obs"] != p["next_obs"])
+
+    batch = 32
+    out_bytes = 2 * batch * K * FRAME_BYTES
+    src = np.random.default_rng(0).integers(0, 256, out_bytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = round_robin(
+        {
+            "FrameStackReplayBuffer.sample": lambda: ours.sample(batch),
+            "cpprb sample (next_of+stack_compress)": lambda: peer.sample(batch),
+            "memcpy of the output bytes": lambda: np.copyto(dst, src),
+        },
+        reps,
+        rep_seconds,
+    )
+    print(f"\n2. sample {batch} transitions (S and S_next, k={K}), capacity {capacity}")
+    report("  time per call", times, "FrameStackReplayBuffer.sample")
+    ours_t = np.median(times["FrameStackReplayBuffer.sample"])
+    print(
+        f"  ours vs memcpy: {np.median(times['memcpy of the output bytes']) / ours_t:.2f} "
+        f"(target >= 0.8); ours vs cpprb: "
+        f"{np.median(times['cpprb sample (next_of+stack_compress)']) / ours_t:.2f}x (target >= 1)"
+    )
+
+    # 3: adding one step each, continuing the stream (both buffers are full: overwrite)
+    stream = [t for t in range(capacity + 1000, n - 1) if not ends[t]]
+    pos = {"ours": 0, "peer": 0}
+
+    def ours_add():
+        t = stream[pos["ours"] % len(stream)]
+        pos["ours"] += 1
+        ours.add(batch_of(frames, idx, np.array([t])))
+
+    def peer_add_next():
+        t = stream[pos["peer"] % len(stream)]
+        pos["peer"] += 1
+        peer_add(t)
+
+    times = round_robin(
+        {"FrameStackReplayBuffer.add": ours_add, "cpprb add": peer_add_next}, reps, rep_seconds
+    )
+    print("\n3. add one step (full buffers)")
+    report("  time per call", times, "FrameStackReplayBuffer.add")
+    per_step = (ours.frame_count - len(fill) - episode // 1000) / max(pos["ours"], 1)
+    print(f"  frames stored per added step after the fill: {per_step:.3f}")
+
+
+# -- 4: jitted sampling ---------------------------------------------------------------------------
+
+
+def jitted(capacity: int, reps: int, rep_seconds: float) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from coax_utils.replay import make_frame_stack_buffer
+
+    episode = 1000
+    frames, starts = frame_stream(capacity + 1, episode, seed=2)
+    idx = stacks(frames, starts)
+    rows = np.array([t for t in range(capacity) if not starts[t + 1]])
+    buf = make_frame_stack_buffer(capacity, stack_size=K)
+    def numbered(lo, hi):  # Rn = position in rows, to check what was sampled
+        return batch_of(frames, idx, rows[lo:hi]).replace(Rn=np.arange(lo, hi, dtype=np.float32))
+
+    state = buf.init(jax.tree_util.tree_map(lambda x: x[0], numbered(0, 1)))
+    add = jax.jit(buf.add, donate_argnums=0)
+    for lo in range(0, len(rows) - 1000 + 1, 1000):
+        state = add(state, numbered(lo, lo + 1000))
+    rows = rows[: len(rows) // 1000 * 1000]
+    dense = jnp.asarray(frames[idx[rows]])  # (N, k, 84, 84): S of every transition
+    dense_next = jnp.asarray(frames[idx[rows + 1]])  # and S_next
+    sample = jax.jit(buf.sample, static_argnums=2)
+
+    @jax.jit
+    def take(d, d_next, key):
+        i = jax.random.randint(key, (32,), 0, len(d))
+        return jnp.take(d, i, axis=0), jnp.take(d_next, i, axis=0)
+
+    key = jax.random.PRNGKey(0)
+    s = sample(state, key, 32)
+    t = rows[np.asarray(s.Rn).astype(np.int64)]  # Rn holds each transition's row
+    assert np.array_equal(np.asarray(s.S), frames[idx[t]])
+    assert np.array_equal(np.asarray(s.S_next), frames[idx[t + 1]])
+    keys = iter(jax.random.split(key, 10**6))
+    times = round_robin(
+        {
+            "make_frame_stack_buffer sample": lambda: jax.block_until_ready(
+                sample(state, next(keys), 32)
+            ),
+            "jnp.take from dense (N,k,84,84) x2": lambda: jax.block_until_ready(
+                take(dense, dense_next, next(keys))
+            ),
+        },
+        reps,
+        rep_seconds,
+    )
+    print(f"\n4. jitted sample of 32 stacks (k={K}), capacity {capacity}")
+    report("  time per call", times, "make_frame_stack_buffer sample")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child is not None:
+        memory_child(args.memory_child)
+        return
+    reps, rep_seconds = (3, 0.05) if args.quick else (7, 0.2)
+    memory(20_000 if args.quick else 100_000)
+    host(10_000 if args.quick else 100_000, reps, rep_seconds)
+    jitted(5_000 if args.quick else 20_000, reps, rep_seconds)
+
+
+if __name__ == "__main__":
+    main()

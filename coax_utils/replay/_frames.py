@@ -1,0 +1,610 @@
+"""Host replay buffers that store each frame of frame-stacked observations once."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from coax_utils.replay._host import PrioritizedReplayBuffer, SimpleReplayBuffer
+from coax_utils.replay._transition import TransitionBatch
+
+__all__ = ["FrameStackReplayBuffer", "PrioritizedFrameStackReplayBuffer", "frame_fingerprints"]
+
+_MAX_COUNT = np.iinfo(np.int64).max
+_MAX_WINDOW = 8192  # how many of the newest frames new stacks are matched against
+_REJECTION_ROUNDS = 32  # redraws of transitions whose frames were overwritten, then exact
+_FRAME_KEYS = ("stack_size", "frame_capacity", "frame_count", "frames")
+
+
+def _check_positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _words(frames: np.ndarray) -> np.ndarray:
+    """The bytes of each frame (leading axis) as an array of the widest unsigned words."""
+    raw = np.ascontiguousarray(frames).reshape(len(frames), -1).view(np.uint8)
+    for dtype in (np.uint64, np.uint32, np.uint16):
+        if raw.shape[1] % np.dtype(dtype).itemsize == 0:
+            return raw.view(dtype)
+    return raw
+
+
+def frame_fingerprints(frames: np.ndarray) -> np.ndarray:
+    """A 64-bit fingerprint of the bytes of each frame.
+
+    A random linear hash modulo :math:`2^{64}` of the frame's bytes (all of them), with fixed
+    multipliers, so equal frames always get equal fingerprints and different frames almost
+    never do. The frame-stacked buffers find repeated frames with it and then compare the
+    bytes: a collision costs memory (the frame is stored again), never a wrong frame.
+
+    Parameters
+    ----------
+    frames : numpy.ndarray
+        Frames along the leading axis, of any shape and numeric dtype.
+
+    Returns
+    -------
+    fingerprints : numpy.ndarray of uint64, shape ``(len(frames),)``
+    """
+    words = _words(frames)
+    if words.dtype != np.uint64:
+        words = words.astype(np.uint64)
+    return (words * _multipliers(words.shape[1])).sum(axis=1, dtype=np.uint64)
+
+
+@functools.lru_cache(maxsize=8)
+def _multipliers(n: int) -> np.ndarray:
+    """Fixed odd 64-bit multipliers of the fingerprint (the same in every process)."""
+    return np.random.default_rng(0x5EED).integers(1, 2**63, size=n, dtype=np.uint64) | 1
+
+
+class _FrameStacks:
+    """Frame storage shared by the frame-stacked buffers (mixed into a host buffer class).
+
+    The host buffer stores each transition with ``S`` and ``S_next`` replaced by the ids of
+    their frames (int64, shape ``(stack_size,)``); the frames live in a ring of their own,
+    ``frames[id % frame_capacity]``. Frame ids count every frame stored, so a transition
+    whose smallest frame id is below ``frame_count - frame_capacity`` lost a frame to the
+    ring and is never returned.
+    """
+
+    _stack_size: int
+    _frame_capacity: int
+
+    def _init_frames(self, capacity: Any, stack_size: Any, frame_capacity: Any) -> None:
+        capacity = _check_positive_int(capacity, "capacity")
+        self._stack_size = _check_positive_int(stack_size, "stack_size")
+        if frame_capacity is None:
+            frame_capacity = capacity + capacity // 64 + 2 * self._stack_size
+        self._frame_capacity = _check_positive_int(frame_capacity, "frame_capacity")
+        if self._frame_capacity < 2 * self._stack_size:
+            raise ValueError(
+                f"frame_capacity must be at least 2 * stack_size = {2 * self._stack_size} (the "
+                f"frames of one transition), got {frame_capacity}"
+            )
+
+    def clear(self) -> None:
+        """Remove all transitions and frames (the RNG stream continues)."""
+        super().clear()  # type: ignore[misc]
+        self._frames: np.ndarray | None = None
+        self._frame_count = 0
+        self._fingerprints: np.ndarray | None = None
+        self._recent: dict[int, int] = {}  # fingerprint -> id, of the newest frames
+        self._positions: tuple | None = None  # (treedef, leaf of S, leaf of S_next)
+
+    # -- properties ----------------------------------------------------------------------------
+
+    @property
+    def stack_size(self) -> int:
+        """The number of frames per stacked observation."""
+        return self._stack_size
+
+    @property
+    def frame_capacity(self) -> int:
+        """The number of frames stored (older frames are overwritten)."""
+        return self._frame_capacity
+
+    @property
+    def frame_count(self) -> int:
+        """The number of frames stored since the last :meth:`clear` (each frame once)."""
+        return self._frame_count
+
+    @property
+    def _window(self) -> int:
+        return min(self._frame_capacity - 2 * self._stack_size, _MAX_WINDOW)
+
+    # -- adding --------------------------------------------------------------------------------
+
+    def _check_stacks(self, transition_batch: Any) -> np.ndarray:
+        """``S`` and ``S_next`` as one array of frames ``(2 * batch * k, *frame)``."""
+        if not isinstance(transition_batch, TransitionBatch):
+            raise TypeError(
+                f"transition_batch must be a TransitionBatch, got {type(transition_batch)!r}"
+            )
+        k = self._stack_size
+        stacks = []
+        for name in ("S", "S_next"):
+            x = getattr(transition_batch, name)
+            if x is None or isinstance(x, (dict, list, tuple)):
+                raise TypeError(
+                    f"transition_batch.{name} must be an array of stacked frames, got "
+                    f"{type(x).__name__}"
+                )
+            x = np.asarray(x)
+            if x.dtype.kind not in "biuf":
+                raise TypeError(f"transition_batch.{name} must hold numbers, got dtype {x.dtype}")
+            if x.ndim < 2 or x.shape[1] != k:
+                raise ValueError(
+                    f"transition_batch.{name} must have shape (batch_size, stack_size={k}, "
+                    f"*frame_shape), got {x.shape}"
+                )
+            stacks.append(x)
+        S, S_next = stacks
+        if S.shape != S_next.shape or S.dtype != S_next.dtype:
+            raise ValueError(
+                f"transition_batch.S and S_next must have the same shape and dtype, got "
+                f"{S.dtype}{list(S.shape)} and {S_next.dtype}{list(S_next.shape)}"
+            )
+        if self._frames is not None:
+            if S.shape[2:] != self._frames.shape[1:] or S.dtype != self._frames.dtype:
+                raise ValueError(
+                    f"the frames of transition_batch are {S.dtype}{list(S.shape[2:])}; the "
+                    f"buffer holds frames {self._frames.dtype}{list(self._frames.shape[1:])}"
+                )
+            if not self._frames.flags.writeable:
+                raise ValueError("the buffer is read-only (loaded with mmap_mode='r')")
+        n = len(S)
+        return np.concatenate([S, S_next], axis=1).reshape((2 * n * k,) + S.shape[2:])
+
+    def _plan(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Frame ids for ``frames``: repeated ones share an id, known ones keep theirs.
+
+        Returns ``(ids, new, fingerprints)``: ``new`` indexes the frames to store, in the order
+        of their ids. Matches by fingerprint are confirmed byte for byte; should a collision
+        ever occur, every frame of the batch is stored anew (correct, only larger).
+        """
+        fps = frame_fingerprints(frames)
+        ids = np.empty(len(frames), np.int64)
+        new: list[int] = []
+        seen: dict[int, int] = {}  # fingerprint -> first position in this batch
+        same_batch: list[tuple[int, int]] = []
+        stored: list[int] = []
+        next_id = self._frame_count
+        recent = self._recent
+        for m, h in enumerate(fps.tolist()):
+            j = seen.get(h)
+            if j is not None:
+                ids[m] = ids[j]
+                same_batch.append((m, j))
+                continue
+            fid = recent.get(h)
+            if fid is not None:
+                ids[m] = fid
+                stored.append(m)
+                continue
+            seen[h] = m
+            ids[m] = next_id
+            next_id += 1
+            new.append(m)
+        words = _words(frames)
+        ok = True
+        if same_batch:
+            a, b = np.array(same_batch).T
+            ok = bool(np.array_equal(words[a], words[b]))
+        if ok and stored and self._frames is not None:
+            slots = ids[stored] % self._frame_capacity
+            ok = bool(np.array_equal(words[stored], _words(self._frames[slots])))
+        if not ok:
+            ids = self._frame_count + np.arange(len(frames), dtype=np.int64)
+            new = list(range(len(frames)))
+        return ids, np.array(new, np.int64), fps
+
+    def _store_frames(self, frames: np.ndarray, fps: np.ndarray) -> None:
+        """Append ``frames`` to the ring (ids ``frame_count, ...``) and to the recent ones."""
+        cap, window = self._frame_capacity, self._window
+        if self._frames is None:
+            self._frames = np.empty((cap,) + frames.shape[1:], frames.dtype)
+            self._fingerprints = np.zeros(cap, np.uint64)
+        first = self._frame_count
+        keep = slice(max(0, len(frames) - cap), None)
+        ids = first + np.arange(len(frames), dtype=np.int64)[keep]
+        slots = ids % cap
+        if len(slots) and slots[-1] >= slots[0]:  # no wrap: a contiguous block
+            slots = slice(int(slots[0]), int(slots[-1]) + 1)
+        self._frames[slots] = frames[keep]
+        recent, old_fps = self._recent, self._fingerprints
+        for fid, h in zip(range(first, first + len(frames)), fps.tolist()):
+            gone = fid - window
+            if gone >= 0:
+                g = int(old_fps[gone % cap])
+                if recent.get(g) == gone:
+                    del recent[g]
+            if window > 0:
+                recent[h] = fid
+            old_fps[fid % cap] = h
+        self._frame_count = first + len(frames)
+
+    def add(
+        self, transition_batch: TransitionBatch, Adv: Any = None, *, episode_end: Any = None
+    ) -> None:
+        """Add a batch of transitions whose ``S`` and ``S_next`` are frame stacks.
+
+        Each frame is stored once: the frames of ``S`` and ``S_next`` that the buffer already
+        holds among its newest frames (equal bytes) are referenced, not copied.
+
+        Parameters
+        ----------
+        transition_batch : TransitionBatch
+            The transitions; ``S`` and ``S_next`` are arrays of shape
+            ``(batch_size, stack_size, *frame_shape)`` (the observations of
+            :class:`gymnasium.wrappers.FrameStackObservation`, stacked along axis 1).
+        Adv : array of shape ``(batch_size,)``, optional
+            Advantages (prioritized buffer; ignored by the uniform one).
+        episode_end : bool or array of bool, optional
+            Marks rows that end their episode (see :meth:`SimpleReplayBuffer.add`).
+
+        Raises
+        ------
+        TypeError
+            If ``transition_batch`` is not a :class:`TransitionBatch`, or ``S`` or ``S_next``
+            is not an array of numbers.
+        ValueError
+            If ``S`` or ``S_next`` is not ``(batch_size, stack_size, *frame_shape)``, their
+            frames differ in shape or dtype from the stored ones, or the rest of the batch
+            does not fit (see :meth:`SimpleReplayBuffer.add`). Every check runs before the
+            first write: frames, transitions, priorities and the RNG are unchanged.
+        """
+        frames = self._check_stacks(transition_batch)
+        n, k = len(transition_batch.S), self._stack_size
+        ids, new, fps = self._plan(frames)
+        pairs = ids.reshape(n, 2, k)
+        refs = transition_batch.replace(S=pairs[:, 0], S_next=pairs[:, 1])
+        self._add(refs, Adv, episode_end)  # type: ignore[attr-defined]
+        self._store_frames(frames[new], fps[new])
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    def _stack_leaves(self) -> tuple[np.ndarray, np.ndarray]:
+        """The stored frame ids of ``S`` and ``S_next``, ``(capacity, stack_size)`` each."""
+        treedef = self._treedef  # type: ignore[attr-defined]
+        if self._positions is None or self._positions[0] is not treedef:
+            skeleton = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+            self._positions = (treedef, skeleton.S, skeleton.S_next)
+        _, s, s_next = self._positions
+        return self._storage[s], self._storage[s_next]  # type: ignore[attr-defined]
+
+    def _live(self, slots: np.ndarray) -> np.ndarray:
+        """Whether the transitions in ``slots`` still have all their frames."""
+        s_ids, next_ids = self._stack_leaves()
+        oldest = np.minimum(s_ids[slots].min(axis=1), next_ids[slots].min(axis=1))
+        return oldest >= self._frame_count - self._frame_capacity
+
+    def _live_slots(self) -> np.ndarray:
+        return np.flatnonzero(self._live(np.arange(len(self))))  # type: ignore[arg-type]
+
+    def _draw_live(self, batch_size: int) -> np.ndarray:
+        """Slots drawn as by ``_draw``, redrawing those that lost frames."""
+        slots = self._draw(batch_size)
+        for _ in range(_REJECTION_ROUNDS):
+            dead = np.flatnonzero(~self._live(slots))
+            if not len(dead):
+                return slots
+            self._drop(slots[dead])
+            slots[dead] = self._draw(len(dead))
+        live = self._live_slots()
+        if not len(live):
+            raise ValueError(
+                "no transition in the buffer has all its frames: frame_capacity "
+                f"{self._frame_capacity} is too small for these transitions"
+            )
+        return self._draw_among(live, batch_size)
+
+    def _gather(
+        self, slots: np.ndarray, W: np.ndarray | None = None, out: list | None = None
+    ) -> TransitionBatch:
+        batch = super()._gather(slots, W, out)  # type: ignore[misc]
+        frames = self._frames
+        n, k, frame_shape = len(slots), self._stack_size, frames.shape[1:]
+        ids = np.empty((2, n, k), np.int64)
+        np.remainder(batch.S, self._frame_capacity, out=ids[0])
+        np.remainder(batch.S_next, self._frame_capacity, out=ids[1])
+        stacks = np.empty((2, n, k) + frame_shape, frames.dtype)
+        flat = stacks.reshape((-1,) + frame_shape)
+        np.take(frames, ids.reshape(-1), axis=0, out=flat, mode="clip")
+        return batch.replace(S=stacks[0], S_next=stacks[1])
+
+    def __iter__(self) -> Iterator[TransitionBatch]:
+        """Iterate over the stored transitions that have all their frames, oldest first."""
+        for slot in self._filled_in_order():  # type: ignore[attr-defined]
+            if self._live(np.array([slot]))[0]:
+                yield self._gather(np.array([slot]))
+
+    def sample_sequences(self, batch_size: int, length: int) -> Any:
+        """Not available: frame-stacked buffers hold transitions of interleaved streams.
+
+        Raises
+        ------
+        NotImplementedError
+            Always.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not sample sequences; use SimpleReplayBuffer"
+        )
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _extra_state(self) -> dict[str, Any]:
+        state = super()._extra_state()  # type: ignore[misc]
+        state.update(
+            stack_size=self._stack_size,
+            frame_capacity=self._frame_capacity,
+            frame_count=self._frame_count,
+            frames=self._frames,
+        )
+        return state
+
+    def _restore_extra(self, state: dict[str, Any]) -> None:
+        name = type(self).__name__
+        try:
+            stack_size = _check_positive_int(state["stack_size"], "stack_size")
+            frame_capacity = _check_positive_int(state["frame_capacity"], "frame_capacity")
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name} state: {e}") from None
+        if frame_capacity < 2 * stack_size:
+            raise ValueError(f"{name} state: frame_capacity must be at least 2 * stack_size")
+        count = state["frame_count"]
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
+            raise TypeError(f"{name} state: frame_count must be an int, got {count!r}")
+        if not 0 <= count <= _MAX_COUNT:
+            raise ValueError(f"{name} state: frame_count must lie in [0, 2**63), got {count}")
+        self._stack_size, self._frame_capacity = stack_size, frame_capacity
+        frames = state["frames"]
+        if self._storage is None:  # type: ignore[attr-defined]
+            if frames is not None or count:
+                raise ValueError(f"{name} state: frames without stored transitions")
+            super()._restore_extra(state)  # type: ignore[misc]
+            return
+        if not (
+            isinstance(frames, np.ndarray)
+            and frames.ndim >= 1
+            and frames.shape[0] == frame_capacity
+            and frames.dtype.kind in "biuf"
+            and frames.flags.c_contiguous
+        ):
+            raise ValueError(
+                f"{name} state: frames must be a C-contiguous array of numbers with "
+                f"frame_capacity={frame_capacity} rows, got {frames!r:.80}"
+            )
+        skeleton = jax.tree_util.tree_unflatten(
+            self._treedef, list(range(self._treedef.num_leaves))  # type: ignore[attr-defined]
+        )
+        if not (isinstance(skeleton.S, int) and isinstance(skeleton.S_next, int)):
+            raise ValueError(f"{name} state: S and S_next must each be one leaf of frame ids")
+        n = len(self)  # type: ignore[arg-type]
+        for field in ("S", "S_next"):
+            ids = self._storage[getattr(skeleton, field)]  # type: ignore[attr-defined]
+            if ids.dtype != np.int64 or ids.shape[1:] != (stack_size,):
+                raise ValueError(
+                    f"{name} state: {field} must be stored as int64 frame ids of shape "
+                    f"(capacity, {stack_size}), got {ids.dtype}{list(ids.shape)}"
+                )
+            filled = ids[:n]
+            if filled.size and (filled.min() < 0 or filled.max() >= count):
+                raise ValueError(
+                    f"{name} state: the frame ids of {field} must lie in [0, frame_count="
+                    f"{count})"
+                )
+        super()._restore_extra(state)  # type: ignore[misc]
+        self._frames = frames
+        self._frame_count = int(count)
+        self._fingerprints = np.zeros(frame_capacity, np.uint64)
+        self._recent = {}
+        first = max(0, count - min(self._window, frame_capacity))
+        for lo in range(first, count, 1024):  # rebuilt from the frames themselves, in chunks
+            fids = np.arange(lo, min(lo + 1024, count))
+            fps = frame_fingerprints(frames[fids % frame_capacity])
+            self._fingerprints[fids % frame_capacity] = fps
+            self._recent.update(zip(fps.tolist(), fids.tolist()))
+
+
+class FrameStackReplayBuffer(_FrameStacks, SimpleReplayBuffer):
+    r"""A uniform replay buffer for frame-stacked observations that stores each frame once.
+
+    Made for the observations of :class:`gymnasium.wrappers.FrameStackObservation` (e.g.
+    Atari: 4 frames of 84x84 uint8): consecutive stacks share all frames but one, so storing
+    ``S`` and ``S_next`` whole keeps each frame :math:`2k` times. This buffer keeps each
+    distinct frame once in a ring of ``frame_capacity`` frames and each transition as
+    references to its frames; :meth:`sample` rebuilds ``S`` and ``S_next`` byte for byte as
+    they were added, so training sees exactly what acting saw (including the repeated
+    first frame that ``FrameStackObservation`` pads episode starts with). A stream of
+    episodes of :math:`T` steps stores :math:`T+1` frames per episode, with any
+    :class:`NStep` and with the transitions of several environments interleaved (e.g.
+    :class:`RecordTransitions` over a vector env): repeated frames are found by content among
+    the newest frames (fingerprint, then a byte comparison), not by position.
+
+    Frames are overwritten oldest first; a transition that lost a frame that way is never
+    sampled (nor iterated over), though it counts in ``len()`` until its slot is reused. The
+    default ``frame_capacity`` (``capacity + capacity // 64 + 2 * stack_size``) holds every
+    transition's frames for episodes of 64 steps or more.
+
+    Other fields, ``idx``, ``W``, ``episode_end``, saving and checkpoints work as in
+    :class:`SimpleReplayBuffer`. :meth:`sample_sequences` is not available.
+
+    Parameters
+    ----------
+    capacity : int
+        The maximum number of transitions.
+    stack_size : int
+        The number of frames per observation :math:`k` (``FrameStackObservation``'s
+        ``stack_size``).
+    frame_capacity : int, optional
+        The number of frames stored, at least ``2 * stack_size``.
+    random_seed : int, optional
+        Seed of the buffer's random number generator.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> frames = np.arange(6, dtype=np.uint8)[:, None, None] * np.ones((1, 2, 2), np.uint8)
+    >>> buffer = FrameStackReplayBuffer(capacity=10, stack_size=3, random_seed=0)
+    >>> stacks = [frames[[0, 0, 0]], frames[[0, 0, 1]], frames[[0, 1, 2]], frames[[1, 2, 3]]]
+    >>> for s, s_next in zip(stacks, stacks[1:]):
+    ...     tr = TransitionBatch.from_single(
+    ...         s=s, a=0, logp=0.0, r=1.0, done=False, gamma=0.9, s_next=s_next
+    ...     )
+    ...     buffer.add(tr)
+    >>> len(buffer), buffer.frame_count
+    (3, 4)
+    >>> batch = buffer.sample(batch_size=2)
+    >>> batch.S.shape, batch.S_next.shape
+    ((2, 3, 2, 2), (2, 3, 2, 2))
+    """
+
+    _STATE_KEYS = SimpleReplayBuffer._STATE_KEYS + _FRAME_KEYS
+
+    def __init__(
+        self,
+        capacity: int,
+        stack_size: int,
+        frame_capacity: int | None = None,
+        random_seed: int | None = None,
+    ) -> None:
+        self._init_frames(capacity, stack_size, frame_capacity)
+        super().__init__(capacity, random_seed)
+
+    def _draw(self, n: int) -> np.ndarray:
+        return (self._rng.random(n) * len(self)).astype(np.int64)
+
+    def _draw_among(self, slots: np.ndarray, n: int) -> np.ndarray:
+        return slots[(self._rng.random(n) * len(slots)).astype(np.int64)]
+
+    def _drop(self, slots: np.ndarray) -> None:
+        pass
+
+    def sample(self, batch_size: int = 32) -> TransitionBatch:  # type: ignore[override]
+        """Sample a batch of transitions uniformly (with replacement) among those whose
+        frames are all stored.
+
+        Parameters
+        ----------
+        batch_size : int, optional
+            The number of transitions.
+
+        Returns
+        -------
+        transitions : TransitionBatch
+            ``S`` and ``S_next`` of shape ``(batch_size, stack_size, *frame_shape)``, ``idx``
+            the transition ids and ``W`` the stored weights.
+
+        Raises
+        ------
+        ValueError
+            If the buffer is empty, ``batch_size`` is not positive, or no transition has all
+            its frames.
+        """
+        batch_size = self._check_nonempty(batch_size)
+        return self._gather(self._draw_live(batch_size))
+
+    def __repr__(self) -> str:
+        return (
+            f"FrameStackReplayBuffer(capacity={self._capacity}, stack_size={self._stack_size}, "
+            f"len={len(self)}, frame_count={self._frame_count})"
+        )
+
+
+class PrioritizedFrameStackReplayBuffer(_FrameStacks, PrioritizedReplayBuffer):
+    r"""A prioritized replay buffer for frame-stacked observations that stores each frame once.
+
+    Priorities, importance weights, :meth:`update` and the hyperparameters are those of
+    :class:`PrioritizedReplayBuffer`; frames are stored as in
+    :class:`FrameStackReplayBuffer`. A transition found to have lost a frame to the ring
+    gets priority 0 and is never sampled; the importance weights are those of the
+    transitions that can be sampled.
+
+    Parameters
+    ----------
+    capacity : int
+        The maximum number of transitions.
+    stack_size : int
+        The number of frames per observation.
+    alpha, beta, epsilon : float, optional
+        See :class:`PrioritizedReplayBuffer`.
+    frame_capacity : int, optional
+        The number of frames stored (see :class:`FrameStackReplayBuffer`).
+    random_seed : int, optional
+        Seed of the buffer's random number generator.
+    """
+
+    _STATE_KEYS = PrioritizedReplayBuffer._STATE_KEYS + _FRAME_KEYS
+
+    def __init__(
+        self,
+        capacity: int,
+        stack_size: int,
+        alpha: float = 1.0,
+        beta: float = 1.0,
+        epsilon: float = 1e-4,
+        frame_capacity: int | None = None,
+        random_seed: int | None = None,
+    ) -> None:
+        self._init_frames(capacity, stack_size, frame_capacity)
+        super().__init__(capacity, alpha, beta, epsilon, random_seed)
+
+    def _draw(self, n: int) -> np.ndarray:
+        if not self._tree.root_value > 0:  # every transition was dropped
+            return self._draw_among(self._live_slots(), n)
+        u = self._rng.random(n)
+        return np.asarray(self._tree.inverse_cdf(u), dtype=np.int64)
+
+    def _draw_among(self, slots: np.ndarray, n: int) -> np.ndarray:
+        if not len(slots):
+            raise ValueError("no transition in the buffer has all its frames")
+        cdf = np.cumsum(self._tree.values[slots])
+        pick = np.searchsorted(cdf, self._rng.random(n) * cdf[-1], side="right")
+        return slots[np.minimum(pick, len(slots) - 1)]
+
+    def _drop(self, slots: np.ndarray) -> None:
+        self._tree.set_values(np.unique(slots), 0.0)
+
+    def sample(self, batch_size: int = 32) -> TransitionBatch:  # type: ignore[override]
+        """Sample a batch of transitions in proportion to their priorities, among those whose
+        frames are all stored.
+
+        Parameters
+        ----------
+        batch_size : int, optional
+            The number of transitions (drawn with replacement).
+
+        Returns
+        -------
+        transitions : TransitionBatch
+            Frame stacks as in :meth:`FrameStackReplayBuffer.sample`, ``idx`` for
+            :meth:`update` and ``W`` (stored weights times normalised importance weights).
+
+        Raises
+        ------
+        ValueError
+            If the buffer is empty, ``batch_size`` is not positive, or no transition has all
+            its frames.
+        """
+        batch_size = self._check_nonempty(batch_size)
+        slots = self._draw_live(batch_size)
+        prob = self._tree.values[slots] / self._tree.root_value
+        W = np.power(len(self) * prob, -self._beta)
+        W /= W.max()
+        return self._gather(slots, W)
+
+    def __repr__(self) -> str:
+        return (
+            f"PrioritizedFrameStackReplayBuffer(capacity={self._capacity}, "
+            f"stack_size={self._stack_size}, len={len(self)}, alpha={self._alpha}, "
+            f"beta={self._beta}, epsilon={self._epsilon})"
+        )
