@@ -840,9 +840,7 @@ class _RingStorage:
         (between the two renames :meth:`load` finds the new folder beside ``path``), and the
         next save into ``path`` removes the leftovers. The files of the old folder are never
         truncated, so saving into the folder a buffer was loaded (and memory-mapped) from
-        keeps every transition, on disk and in memory. A buffer loaded with
-        ``mmap_mode="r+"`` keeps writing through to the files it was loaded from, which such
-        a save replaces: load it again to write through to the new ones.
+        keeps every transition, on disk and in memory.
 
         Parameters
         ----------
@@ -928,13 +926,15 @@ class _RingStorage:
         ----------
         path : str or os.PathLike
             The folder given to :meth:`save`.
-        mmap_mode : {"c", "r+", "r", None}, optional
+        mmap_mode : {"c", "r", None}, optional
             How the storage files are opened (see :func:`numpy.load`). The default ``"c"``
             memory-maps them copy-on-write: pages are read lazily from disk and new
-            transitions stay in memory, leaving the files unchanged. ``"r+"`` writes new
-            transitions through to the files, ``"r"`` gives a read-only buffer that can be
-            sampled but not added to, and ``None`` reads everything into memory (the arrays
-            read become the storage: no second copy).
+            transitions stay in memory, leaving the files unchanged. ``"r"`` gives a
+            read-only buffer that can be sampled but not added to, and ``None`` reads
+            everything into memory (the arrays read become the storage: no second copy).
+            Writing through to the files (numpy's ``"r+"``) is refused: it would change the
+            saved storage without its metadata, leaving a folder that is neither the saved
+            buffer nor a newer one; call :meth:`save` to persist new transitions.
 
         Returns
         -------
@@ -951,8 +951,12 @@ class _RingStorage:
         """
         from coax_utils.utils import load
 
-        if mmap_mode not in ("c", "r+", "r", None):
-            raise ValueError(f"mmap_mode must be 'c', 'r+', 'r' or None, got {mmap_mode!r}")
+        if mmap_mode not in ("c", "r", None):
+            hint = " (writing through to a saved folder would break it; use save)"
+            raise ValueError(
+                f"mmap_mode must be 'c', 'r' or None, got {mmap_mode!r}"
+                + (hint if mmap_mode in ("r+", "w+") else "")
+            )
         target = os.path.abspath(os.fspath(path))
         folder = _interrupted_swap(target) or target
         if not os.path.isdir(folder):
