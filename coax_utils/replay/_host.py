@@ -14,10 +14,11 @@ import jax
 import numpy as np
 
 from coax_utils._dataclass import pytree_dataclass
+from coax_utils.replay._sequence import SequenceSample
 from coax_utils.replay._transition import TransitionBatch, check_state_keys
 from coax_utils.utils import SumTree
 
-__all__ = ["PrioritizedReplayBuffer", "SequenceSample", "SimpleReplayBuffer"]
+__all__ = ["PrioritizedReplayBuffer", "SimpleReplayBuffer"]
 
 _LARGE_BYTES = 1 << 20  # sampled leaves of this size are copied by several threads
 _MAX_COUNT = np.iinfo(np.int64).max  # ids are int64 and never wrap
@@ -54,33 +55,6 @@ def _parallel_take(chunks: list) -> None:
     np.take(arr, idx, axis=0, out=out, mode="clip")
     for future in futures:
         future.result()
-
-
-@pytree_dataclass
-class SequenceSample:
-    """A batch of contiguous windows sampled from a replay buffer.
-
-    Windows never cross an episode boundary: steps after the end of the episode in which a
-    window starts are *masked* (``mask`` False) and hold a copy of the window's last valid
-    step (repeat-last padding), so every row is made of data of one episode only.
-
-    Parameters
-    ----------
-    items : pytree
-        The sampled windows, each leaf with shape ``(batch_size, length, ...)`` (for the host
-        buffers a :class:`TransitionBatch`, with ``idx`` and ``W`` of shape
-        ``(batch_size, length)``).
-    mask : array of bool, shape ``(batch_size, length)``
-        True where the step belongs to the episode of the window's first step. The first
-        column is always True.
-    indices : array of int, shape ``(batch_size, length)``
-        Where each step was read: the transition ids (host buffers) or the storage slots
-        (jittable buffers).
-    """
-
-    items: Any
-    mask: Any
-    indices: Any
 
 
 def _check_batch_size(batch_size: Any, name: str = "batch_size") -> int:

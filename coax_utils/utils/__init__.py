@@ -54,6 +54,7 @@ from coax_utils.utils._segment_tree import MaxTree
 from coax_utils.utils._segment_tree import MinTree
 from coax_utils.utils._segment_tree import SegmentTree
 from coax_utils.utils._segment_tree import SumTree
+from coax_utils.utils._segment_tree_fn import SUM_TREE_STRATEGIES
 from coax_utils.utils._segment_tree_fn import SumTreeState
 from coax_utils.utils._segment_tree_fn import sum_tree_init
 from coax_utils.utils._segment_tree_fn import sum_tree_inverse_cdf
@@ -87,6 +88,7 @@ __all__ = [
     "MinTree",
     "OUNoiseState",
     "OrnsteinUhlenbeckNoise",
+    "SUM_TREE_STRATEGIES",
     "SegmentTree",
     "StepwiseLinearFunction",
     "SumTree",
