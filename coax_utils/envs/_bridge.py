@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from coax_utils._dataclass import pytree_dataclass
-from coax_utils.envs._spaces import Space, _canonical, to_gymnasium_space, to_jax_space
+from coax_utils.envs._spaces import Space, canonical_dtype, to_gymnasium_space, to_jax_space
 from coax_utils.envs._step import step_without_autoreset
 
 __all__ = ["GymnasiumParams", "GymnasiumState", "GymnasiumToJax", "JaxToGymnasium"]
@@ -258,7 +258,7 @@ class GymnasiumToJax:
                 )
             if not (hasattr(v, "shape") and hasattr(v, "dtype")):
                 raise TypeError(f"info_spec[{k!r}] must have a shape and a dtype, got {v!r}")
-            self._info_spec[k] = jax.ShapeDtypeStruct(tuple(v.shape), _canonical(v.dtype))
+            self._info_spec[k] = jax.ShapeDtypeStruct(tuple(v.shape), canonical_dtype(v.dtype))
 
         flag = jax.ShapeDtypeStruct(batch, jnp.bool_)
         self._reset_result = (

@@ -7,6 +7,7 @@ from coax_utils.replay._functional import UniformBuffer
 from coax_utils.replay._functional import UniformBufferState
 from coax_utils.replay._functional import make_prioritized_buffer
 from coax_utils.replay._functional import make_uniform_buffer
+from coax_utils.replay._example import get_transition_batch
 from coax_utils.replay._host import PrioritizedReplayBuffer
 from coax_utils.replay._host import SimpleReplayBuffer
 from coax_utils.replay._record import RecordTransitions
@@ -35,5 +36,6 @@ __all__ = [
     "UniformBuffer",
     "UniformBufferState",
     "make_prioritized_buffer",
+    "get_transition_batch",
     "make_uniform_buffer",
 ]

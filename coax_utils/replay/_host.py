@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from coax_utils._dataclass import pytree_dataclass
+from coax_utils import utils
 from coax_utils.replay._sequence import SequenceSample
 from coax_utils.replay._transition import TransitionBatch, check_state_keys
 from coax_utils.utils import SumTree
@@ -832,8 +832,6 @@ class _RingStorage:
             If the transitions cannot be described as plain data (see
             :meth:`__checkpoint_state__`).
         """
-        from coax_utils.utils import dump
-
         target = os.path.abspath(os.fspath(path))
         parent, base = os.path.split(target)
         if os.path.lexists(target) and not (
@@ -876,7 +874,8 @@ class _RingStorage:
                 "files": files,
                 "generators": generators,
             }
-            dump(record, os.path.join(staging, _META))  # written last: marks a complete folder
+            # written last: marks a complete folder
+            utils.dump(record, os.path.join(staging, _META))
             _fsync_path(staging)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -923,8 +922,6 @@ class _RingStorage:
             If the folder is incomplete, does not hold a buffer of this class, or anything
             in it is inconsistent; the message names the folder.
         """
-        from coax_utils.utils import load
-
         if mmap_mode not in ("c", "r+", "r", None):
             raise ValueError(f"mmap_mode must be 'c', 'r+', 'r' or None, got {mmap_mode!r}")
         target = os.path.abspath(os.fspath(path))
@@ -939,7 +936,7 @@ class _RingStorage:
         if not os.path.isfile(meta_path):
             raise bad(f"{_META} is missing (an incomplete save)")
         try:
-            record = load(meta_path, safe=True)
+            record = utils.load(meta_path, safe=True)
         except (ValueError, TypeError, OSError, EOFError) as e:
             raise bad(f"{_META} cannot be read ({e})") from None
         keys = ("format", "class", "state", "files", "generators")

@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from coax_utils._checks import check_choice, check_int, checked_indices
 from coax_utils._dataclass import pytree_dataclass, static_field

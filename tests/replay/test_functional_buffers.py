@@ -203,7 +203,9 @@ def test_tree_strategies_give_identical_states_and_samples():
     # strategy is forced here on the CPU and must agree with the sequential one and "auto"
     rng = np.random.default_rng(3)
     capacity = 37
-    buffers = [make_prioritized_buffer(capacity, alpha=0.7, tree_strategy=s) for s in SUM_TREE_STRATEGIES]
+    buffers = [
+        make_prioritized_buffer(capacity, alpha=0.7, tree_strategy=s) for s in SUM_TREE_STRATEGIES
+    ]
     states = [buf.add(buf.init(EXAMPLE), items(range(30))) for buf in buffers]
     steps = [
         (jax.jit(buf.update), jax.jit(buf.sample, static_argnums=2), jax.jit(buf.add))
