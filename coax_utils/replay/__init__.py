@@ -35,7 +35,7 @@ __all__ = [
     "TransitionBatch",
     "UniformBuffer",
     "UniformBufferState",
-    "make_prioritized_buffer",
     "get_transition_batch",
+    "make_prioritized_buffer",
     "make_uniform_buffer",
 ]

@@ -27,9 +27,9 @@ def get_transition_batch(
 
     The env is not stepped: states and actions are drawn from ``env.observation_space`` and
     ``env.action_space`` with :func:`coax_utils.utils.safe_sample`, rewards from a clipped
-    standard normal, log-propensities from the log of a uniform in :math:`[0.01, 0.99]`, bootstrap factors
-    ``In`` from :math:`\\{0, \\gamma\\}` and weights ``W`` from a clipped ratio of uniforms. It
-    is meant for initializing function approximators and for tests.
+    standard normal, log-propensities from the log of a uniform in :math:`[0.01, 0.99]`,
+    bootstrap factors ``In`` from :math:`\\{0, \\gamma\\}` and weights ``W`` from a clipped
+    ratio of uniforms. It is meant for initializing function approximators and for tests.
 
     Parameters
     ----------
