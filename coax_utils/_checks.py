@@ -48,7 +48,7 @@ def check_int(value: Any, name: str, low: int | None = None, high: int | None = 
         what = f"an int {_range_text(low, high)}".rstrip()
         raise TypeError(f"{name} must be {what}, got {value!r}")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise ValueError(f"{name} must be an int {_range_text(low, high)}, got {value!r}")
+        raise ValueError(f"{name} must be {_range_text(low, high)}, got {value!r}")
     return int(value)
 
 

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coax_utils._checks import check_int
+
 __all__ = [
     "Box",
     "Dict",
@@ -33,9 +35,7 @@ def canonical_dtype(dtype: Any) -> np.dtype:
 
 def _check_int(name: str, value: Any) -> int:
     """``value`` as an int; bools, floats and other types are refused with a TypeError."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    return int(value)
+    return check_int(value, name)
 
 
 def _check_int_array(name: str, value: Any) -> np.ndarray:

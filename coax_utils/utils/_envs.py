@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coax_utils._checks import check_int
+
 __all__ = [
     "check_preprocessors",
     "default_preprocessor",
@@ -28,11 +30,7 @@ _ERROR = "__ERROR__"
 
 
 def _check_depth(max_depth: Any) -> int:
-    if isinstance(max_depth, bool) or not isinstance(max_depth, (int, np.integer)):
-        raise TypeError(f"max_depth must be a positive int, got {max_depth!r}")
-    if max_depth <= 0:
-        raise ValueError(f"max_depth must be a positive int, got {max_depth!r}")
-    return int(max_depth)
+    return check_int(max_depth, "max_depth", low=1)
 
 
 def _find_env_attr(env: Any, attr: str, max_depth: int) -> tuple[bool, Any]:
