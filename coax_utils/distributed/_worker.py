@@ -10,16 +10,13 @@ from typing import Any
 import numpy as np
 import ray
 
+from coax_utils._checks import is_int
 from coax_utils.distributed._actor import RemoteClass
 from coax_utils.replay import NStep, TransitionBatch
 
 __all__ = ["RolloutWorker"]
 
 _RETURNS_KEPT = 100
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _check_args(
@@ -56,11 +53,11 @@ def _check_args(
         ("sync_every", sync_every, 1),
         ("max_in_flight", max_in_flight, 0),
     ):
-        if not _is_int(value) or value < low:
+        if not is_int(value) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if not 0.0 <= float(gamma) <= 1.0:
         raise ValueError(f"gamma must lie in [0, 1], got {gamma!r}")
-    if seed is not None and not _is_int(seed):
+    if seed is not None and not is_int(seed):
         raise TypeError(f"seed must be None or an int, got {seed!r}")
 
 
@@ -289,7 +286,7 @@ class RolloutWorker(RemoteClass):
         RuntimeError
             If the worker is running in the background (after :meth:`start`).
         """
-        if not _is_int(num_steps) or num_steps < 0:
+        if not is_int(num_steps) or num_steps < 0:
             raise ValueError(f"num_steps must be an int >= 0, got {num_steps!r}")
         if self._thread is not None:
             raise RuntimeError("the worker is running in the background; call stop() first")

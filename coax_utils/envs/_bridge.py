@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from coax_utils._checks import check_seed
 from coax_utils._dataclass import pytree_dataclass
-from coax_utils.envs._spaces import Space, _canonical, to_gymnasium_space, to_jax_space
+from coax_utils.envs._spaces import Space, canonical_dtype, to_gymnasium_space, to_jax_space
 from coax_utils.envs._step import step_without_autoreset
 
 __all__ = ["GymnasiumParams", "GymnasiumState", "GymnasiumToJax", "JaxToGymnasium"]
@@ -233,10 +234,7 @@ class GymnasiumToJax:
             if not hasattr(env, attr):
                 raise TypeError(f"env must be a gymnasium env, got {env!r} without {attr!r}")
         if seed is not None:
-            if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
-                raise TypeError(f"seed must be a non-negative int or None, got {seed!r}")
-            if seed < 0:
-                raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
+            check_seed(seed, "seed")
         self.env = env
         self.num_envs = int(env.num_envs) if isinstance(env, gymnasium.vector.VectorEnv) else None
         self._seed = None if seed is None else int(seed)
@@ -258,7 +256,7 @@ class GymnasiumToJax:
                 )
             if not (hasattr(v, "shape") and hasattr(v, "dtype")):
                 raise TypeError(f"info_spec[{k!r}] must have a shape and a dtype, got {v!r}")
-            self._info_spec[k] = jax.ShapeDtypeStruct(tuple(v.shape), _canonical(v.dtype))
+            self._info_spec[k] = jax.ShapeDtypeStruct(tuple(v.shape), canonical_dtype(v.dtype))
 
         flag = jax.ShapeDtypeStruct(batch, jnp.bool_)
         self._reset_result = (

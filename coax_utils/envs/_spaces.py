@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coax_utils._checks import check_int
+
 __all__ = [
     "Box",
     "Dict",
@@ -26,16 +28,14 @@ __all__ = [
 ]
 
 
-def _canonical(dtype: Any) -> np.dtype:
+def canonical_dtype(dtype: Any) -> np.dtype:
     """The dtype JAX uses for ``dtype`` under the current x64 setting."""
     return np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype)))
 
 
 def _check_int(name: str, value: Any) -> int:
     """``value`` as an int; bools, floats and other types are refused with a TypeError."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    return int(value)
+    return check_int(value, name)
 
 
 def _check_int_array(name: str, value: Any) -> np.ndarray:
@@ -52,7 +52,7 @@ def _check_representable(what: str, low: Any, high: Any, dtype: np.dtype) -> Non
     Without ``jax_enable_x64`` JAX computes with 32-bit integers: a 64-bit space whose
     values go beyond that range would be sampled wrongly, so it is refused.
     """
-    cdt = _canonical(dtype)
+    cdt = canonical_dtype(dtype)
     info = np.iinfo(cdt)
     lo, hi = int(np.min(low)), int(np.max(high))
     if lo < info.min or hi > info.max:
@@ -194,11 +194,11 @@ class Box(Space):
 
     def sample(self, key: jax.Array) -> jax.Array:
         """Draw a random element of the box (see the class docstring for the distribution)."""
-        cdt = _canonical(self.dtype)
+        cdt = canonical_dtype(self.dtype)
         if not np.issubdtype(self.dtype, np.floating):
             if self.dtype != np.bool_ and self.low.size:
                 _check_representable(repr(self), self.low, self.high, self.dtype)
-            wide = _canonical(np.int64)
+            wide = canonical_dtype(np.int64)
             info = np.iinfo(wide)
             low = np.clip(self.low.astype(np.float64), info.min, info.max - 1).astype(wide)
             high = np.clip(self.high.astype(np.float64) + 1, info.min + 1, info.max).astype(wide)
@@ -244,7 +244,7 @@ class Box(Space):
         Like gymnasium, arrays must have a dtype that casts safely to the box's dtype, while
         Python scalars and lists are first converted to it.
         """
-        cdt = _canonical(self.dtype)
+        cdt = canonical_dtype(self.dtype)
         if not isinstance(x, (np.ndarray, np.generic, jax.Array)):
             try:
                 x = jnp.asarray(x, cdt)
@@ -258,7 +258,7 @@ class Box(Space):
 
     def shape_dtype(self) -> jax.ShapeDtypeStruct:
         """The element shape and (JAX) dtype."""
-        return jax.ShapeDtypeStruct(self.shape, _canonical(self.dtype))
+        return jax.ShapeDtypeStruct(self.shape, canonical_dtype(self.dtype))
 
     def _key(self) -> tuple:
         return (self.shape, self.dtype.str, self.low.tobytes(), self.high.tobytes())
@@ -317,7 +317,7 @@ class Discrete(Space):
             If the values do not fit in the dtype JAX uses (32-bit without x64).
         """
         _check_representable(repr(self), self.start, self.start + self.n - 1, self.dtype)
-        cdt = _canonical(self.dtype)
+        cdt = canonical_dtype(self.dtype)
         return (self.start + jax.random.randint(key, (), 0, self.n, dtype=cdt)).astype(cdt)
 
     def contains(self, x: Any) -> jax.Array:
@@ -329,7 +329,7 @@ class Discrete(Space):
 
     def shape_dtype(self) -> jax.ShapeDtypeStruct:
         """The element shape ``()`` and (JAX) dtype."""
-        return jax.ShapeDtypeStruct((), _canonical(self.dtype))
+        return jax.ShapeDtypeStruct((), canonical_dtype(self.dtype))
 
     def _key(self) -> tuple:
         return (self.n, self.start, self.dtype.str)
@@ -395,7 +395,7 @@ class MultiDiscrete(Space):
         """
         top = self.start.astype(object) + self.nvec.astype(object) - 1
         _check_representable(repr(self), self.start, top, self.dtype)
-        cdt = _canonical(self.dtype)
+        cdt = canonical_dtype(self.dtype)
         nvec = self.nvec.astype(cdt)
         start = self.start.astype(cdt)
         return start + jax.random.randint(key, self.shape, 0, nvec, dtype=cdt)
@@ -409,7 +409,7 @@ class MultiDiscrete(Space):
 
     def shape_dtype(self) -> jax.ShapeDtypeStruct:
         """The element shape and (JAX) dtype."""
-        return jax.ShapeDtypeStruct(self.shape, _canonical(self.dtype))
+        return jax.ShapeDtypeStruct(self.shape, canonical_dtype(self.dtype))
 
     def _key(self) -> tuple:
         return (self.shape, self.dtype.str, self.nvec.tobytes(), self.start.tobytes())

@@ -13,11 +13,12 @@ from coax_utils.replay._functional import UniformBuffer
 from coax_utils.replay._functional import UniformBufferState
 from coax_utils.replay._functional import make_prioritized_buffer
 from coax_utils.replay._functional import make_uniform_buffer
+from coax_utils.replay._example import get_transition_batch
 from coax_utils.replay._host import PrioritizedReplayBuffer
-from coax_utils.replay._host import SequenceSample
 from coax_utils.replay._host import SimpleReplayBuffer
 from coax_utils.replay._record import RecordTransitions
 from coax_utils.replay._record import RecordVectorTransitions
+from coax_utils.replay._sequence import SequenceSample
 from coax_utils.replay._tracing import EpisodeDoneError
 from coax_utils.replay._tracing import InsufficientCacheError
 from coax_utils.replay._tracing import MonteCarlo
@@ -46,6 +47,7 @@ __all__ = [
     "make_frame_stack_buffer",
     "UniformBuffer",
     "UniformBufferState",
+    "get_transition_batch",
     "make_prioritized_buffer",
     "make_uniform_buffer",
 ]

@@ -1,12 +1,11 @@
 r"""Jittable replay buffers: frozen containers of pure functions over pytree states.
 
-Random numbers come from a counter-based hash of the caller's ``key``: the key's data words
-are mixed with the position of each draw by two rounds of the murmur3 32-bit finalizer. This
-is deterministic in the key (same key, same sample; split keys as usual), costs a few integer
-operations per draw, and is several times cheaper than drawing from ``jax.random`` with the
-default threefry keys, which dominates the cost of a small replay sample on a CPU. The
-resulting indices are uniform up to a relative bias below ``size / 2**32`` (the modulo
-reduction of a 32-bit hash).
+Random numbers come from :mod:`jax.random` with the caller's ``key``, whatever its
+implementation (threefry, rbg, unsafe_rbg; typed keys or raw ``uint32`` keys of the default
+implementation): same key, same sample; split keys as usual. Uniform indices are drawn as
+32 random bits reduced modulo the number of stored items, uniform up to a relative bias below
+``size / 2**32``. The priorities of the prioritized buffer live in the package's one
+functional sum tree (:func:`coax_utils.utils.sum_tree_set` and friends).
 """
 
 from __future__ import annotations
@@ -19,14 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coax_utils._checks import check_choice, check_float, check_int, checked_indices
 from coax_utils._dataclass import pytree_dataclass
-from coax_utils.replay._host import SequenceSample
-from coax_utils.utils._segment_tree_fn import (
+from coax_utils.replay._sequence import SequenceSample
+from coax_utils.utils import (
+    SUM_TREE_STRATEGIES,
     SumTreeState,
-    checked_indices,
     sum_tree_init,
+    sum_tree_inverse_cdf,
     sum_tree_set,
-    value_cap,
 )
 
 __all__ = [
@@ -43,128 +43,21 @@ __all__ = [
 # -- randomness ---------------------------------------------------------------------------
 
 
-def _fmix32(x: jax.Array) -> jax.Array:
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def _key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    words = jnp.asarray(key).astype(jnp.uint32).reshape(-1)
-    k0, k1 = words[0], words[-1]
-    for i in range(1, words.shape[0] - 1):  # fold in any further words (e.g. rbg keys)
-        k1 = _fmix32(k1 ^ words[i])
-    return k0, k1
-
-
-def _random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """uint32 hash bits, one per element of ``shape``, determined by ``key``."""
-    k0, k1 = _key_words(key)
-    seed = _fmix32(k1 ^ _fmix32(k0 ^ jnp.uint32(0x2545F491)))
-    count = jnp.arange(int(np.prod(shape)), dtype=jnp.uint32).reshape(shape)
-    x = _fmix32((count * jnp.uint32(0x9E3779B9)) ^ seed)
-    return _fmix32(x ^ k0)
-
-
 def _randint(key: jax.Array, shape: tuple[int, ...], span: jax.Array) -> jax.Array:
-    """int32 numbers in ``[0, span)`` (``span >= 1``, traced)."""
+    """int32 numbers in ``[0, span)`` (``span >= 1``, traced) from ``jax.random.bits``."""
     span = jnp.maximum(span, 1).astype(jnp.uint32)
-    return (_random_bits(key, shape) % span).astype(jnp.int32)
-
-
-def _uniform(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """Floats in ``[0, 1)`` with 24 random bits."""
-    bits = _random_bits(key, shape) >> 8
-    return bits.astype(dtype) * jnp.asarray(2.0**-24, dtype)
-
-
-# -- sum-tree traversals for the hot path ----------------------------------------------------
-#
-# Sampling and updating priorities run on the layout of ``SumTreeState`` (a 1-indexed heap,
-# leaves at ``num_leaves + i``) with XLA loops instead of unrolled levels. Same results as
-# ``sum_tree_inverse_cdf`` / ``sum_tree_set`` (tested), but on a CPU: (1) a looped descent
-# orders every read of the tree before a following in-place update, so a jitted
-# sample-then-update step does not copy the whole tree; (2) a sequential per-index update
-# (parents recomputed from their children, never by adding deltas, so no drift; duplicates:
-# the last write wins by construction) costs a few scalar operations per level instead of a
-# batched gather/scatter per level.
-
-
-def _tree_inverse_cdf(tree: SumTreeState, u: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Indices for ``u`` in [0, 1] and their values (never a zero value if the total is not).
-
-    Every read of the tree happens inside the loop (the root's children give the total in the
-    first iteration), so nothing outside it keeps the old tree alive.
-    """
-    nodes = tree.nodes
-    u = jnp.clip(u, 0, 1).astype(nodes.dtype)
-    if tree.height == 0:  # capacity 1: a single slot
-        return jnp.zeros(u.shape, jnp.int32), jnp.broadcast_to(nodes[1], u.shape)
-
-    def level(i: Any, carry: tuple) -> tuple:
-        node, target, total, value = carry
-        left, right = nodes[2 * node], nodes[2 * node + 1]
-        total = jnp.where(i == 0, left + right, total)
-        target = jnp.where(i == 0, target * total, target)
-        go_left = (left > 0) & ((target < left) | (right <= 0))
-        return (
-            jnp.where(go_left, 2 * node, 2 * node + 1),
-            jnp.where(go_left, target, target - left),
-            total,
-            jnp.where(go_left, left, right),
-        )
-
-    zeros = jnp.zeros(u.shape, nodes.dtype)
-    start = (jnp.ones(u.shape, jnp.int32), u, zeros, zeros)
-    node, _, _, value = jax.lax.fori_loop(0, tree.height, level, start)
-    indices = jnp.minimum(node - tree.num_leaves, tree.capacity - 1).astype(jnp.int32)
-    return indices, value
-
-
-def _tree_set(tree: SumTreeState, indices: jax.Array, values: jax.Array, valid: jax.Array) -> Any:
-    """Set ``values`` at ``indices`` where ``valid`` (others are no-ops), one index at a time."""
-    n = tree.num_leaves
-
-    def one(nodes: jax.Array, item: tuple) -> tuple:
-        i, v, ok = item
-        node = jnp.where(ok, i, 0) + n
-        old = jax.lax.dynamic_index_in_dim(nodes, node, keepdims=False)
-        nodes = jax.lax.dynamic_update_index_in_dim(nodes, jnp.where(ok, v, old), node, 0)
-
-        def level(_: Any, carry: tuple) -> tuple:
-            nodes, node = carry
-            node = node // 2
-            total = jax.lax.dynamic_index_in_dim(nodes, 2 * node, keepdims=False)
-            total = total + jax.lax.dynamic_index_in_dim(nodes, 2 * node + 1, keepdims=False)
-            return jax.lax.dynamic_update_index_in_dim(nodes, total, node, 0), node
-
-        nodes, _ = jax.lax.fori_loop(0, tree.height, level, (nodes, node))
-        return nodes, None
-
-    values = values.astype(tree.nodes.dtype)
-    nodes, _ = jax.lax.scan(one, tree.nodes, (indices.astype(jnp.int32), values, valid))
-    return tree.replace(nodes=nodes)
+    return (jax.random.bits(key, shape, jnp.uint32) % span).astype(jnp.int32)
 
 
 # -- shared helpers -------------------------------------------------------------------------
 
 
 def _check_capacity(capacity: Any) -> int:
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
-        raise TypeError(f"capacity must be a positive int, got {capacity!r}")
-    if not 1 <= capacity < 2**31:
-        raise ValueError(f"capacity must be an int in [1, 2**31), got {capacity!r}")
-    return int(capacity)
+    return check_int(capacity, "capacity", low=1, high=2**31 - 1)
 
 
 def _check_static_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive (static) int, got {value!r}")
-    return int(value)
+    return check_int(value, name, low=1)
 
 
 def _init_storage(example_item: Any, capacity: int) -> Any:
@@ -239,25 +132,26 @@ def _gather(storage: Any, slots: jax.Array) -> Any:
     few hundred small rows are read, and the thread hand-off then costs more than the copy.
     For small items a loop over the rows (one dynamic slice per leaf per row, in one compiled
     loop) avoids that and is several times faster; large items (e.g. frames) and other
-    backends use one gather per leaf.
+    backends use one gather per leaf. The backend is the one the computation is compiled for
+    (:func:`jax.lax.platform_dependent`), not the default backend at trace time.
     """
-    leaves = jax.tree_util.tree_leaves(storage)
-    row_bytes = sum(x.dtype.itemsize * int(np.prod(x.shape[1:])) for x in leaves)
-    n = slots.shape[0]
-    use_loop = (
-        jax.default_backend() == "cpu"
-        and row_bytes <= _ROW_LOOP_MAX_BYTES
-        and n <= _ROW_LOOP_MAX_ROWS
-    )
-    if not use_loop:
+
+    def gather(storage: Any, slots: jax.Array) -> Any:
         return jax.tree_util.tree_map(lambda s: s.at[slots].get(mode="promise_in_bounds"), storage)
 
-    def row(_: Any, i: jax.Array) -> tuple:
-        return None, jax.tree_util.tree_map(
-            lambda s: jax.lax.dynamic_index_in_dim(s, i, keepdims=False), storage
-        )
+    def loop(storage: Any, slots: jax.Array) -> Any:
+        def row(_: Any, i: jax.Array) -> tuple:
+            return None, jax.tree_util.tree_map(
+                lambda s: jax.lax.dynamic_index_in_dim(s, i, keepdims=False), storage
+            )
 
-    return jax.lax.scan(row, None, slots)[1]
+        return jax.lax.scan(row, None, slots)[1]
+
+    leaves = jax.tree_util.tree_leaves(storage)
+    row_bytes = sum(x.dtype.itemsize * int(np.prod(x.shape[1:])) for x in leaves)
+    if row_bytes > _ROW_LOOP_MAX_BYTES or slots.shape[0] > _ROW_LOOP_MAX_ROWS:
+        return gather(storage, slots)
+    return jax.lax.platform_dependent(storage, slots, cpu=loop, default=gather)
 
 
 def _sample_sequences(
@@ -484,10 +378,15 @@ class PrioritizedBuffer:
     alpha: float
     beta: float
     epsilon: float
+    tree_strategy: str
 
 
 def make_prioritized_buffer(
-    capacity: int, alpha: float = 0.6, beta: float = 0.4, epsilon: float = 1e-6
+    capacity: int,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    epsilon: float = 1e-4,
+    tree_strategy: str = "auto",
 ) -> PrioritizedBuffer:
     r"""Make a jittable ring buffer with proportional prioritized sampling.
 
@@ -502,8 +401,12 @@ def make_prioritized_buffer(
         w_i\ =\ \frac{\left(N\,P(i)\right)^{-\beta}}{\max_j \left(N\,P(j)\right)^{-\beta}}
 
     with :math:`N` the number of stored items (flashbax returns only :math:`P(i)`). Empty
-    slots have priority 0 and are never sampled. The priorities live in a functional sum tree
-    (:func:`coax_utils.utils.sum_tree_init`).
+    slots have priority 0 and are never sampled. The priorities live in the functional sum
+    tree of :mod:`coax_utils.utils` (:func:`~coax_utils.utils.sum_tree_set`,
+    :func:`~coax_utils.utils.sum_tree_inverse_cdf`). The defaults (``alpha=1``, ``beta=1``,
+    ``epsilon=1e-4``) are coax's and those of the host
+    :class:`~coax_utils.replay.PrioritizedReplayBuffer`; flashbax and the PER paper's
+    Atari runs use ``alpha=0.6`` with ``beta`` annealed from 0.4.
 
     The returned :class:`PrioritizedBuffer` holds ``init``, ``add``, ``can_sample`` and
     ``sample_sequences`` as in :func:`make_uniform_buffer`, plus:
@@ -537,6 +440,12 @@ def make_prioritized_buffer(
         The importance-weight exponent :math:`\beta\ge0`.
     epsilon : float, optional
         The regulator :math:`\epsilon>0`.
+    tree_strategy : {"auto", "sequential", "vectorized"}, optional
+        How ``add`` and ``update`` write priorities into the sum tree (the ``strategy`` of
+        :func:`coax_utils.utils.sum_tree_set`): ``"sequential"`` (one index at a time,
+        fastest on a CPU), ``"vectorized"`` (one scatter per tree level, for GPUs and TPUs),
+        or ``"auto"`` (default: sequential when the computation is compiled for a CPU,
+        vectorized otherwise).
 
     Returns
     -------
@@ -544,8 +453,10 @@ def make_prioritized_buffer(
 
     Raises
     ------
+    TypeError
+        If an argument has a wrong type (e.g. a float ``capacity``, a str ``alpha``).
     ValueError
-        If an argument is out of range.
+        If an argument is out of range or ``tree_strategy`` is unknown.
 
     Examples
     --------
@@ -559,17 +470,10 @@ def make_prioritized_buffer(
     (True, (16,))
     """
     capacity = _check_capacity(capacity)
-    for name, value, low_ok in (
-        ("alpha", alpha, True),
-        ("beta", beta, True),
-        ("epsilon", epsilon, False),
-    ):
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-            raise ValueError(f"{name} must be a float, got {value!r}")
-        if not np.isfinite(value) or value < 0 or (value == 0 and not low_ok):
-            relation = ">= 0" if low_ok else "> 0"
-            raise ValueError(f"{name} must be a finite float {relation}, got {value!r}")
-    alpha, beta, epsilon = float(alpha), float(beta), float(epsilon)
+    alpha = check_float(alpha, "alpha", low=0)
+    beta = check_float(beta, "beta", low=0)
+    epsilon = check_float(epsilon, "epsilon", low=0, low_open=True)
+    strategy = check_choice(tree_strategy, "tree_strategy", SUM_TREE_STRATEGIES)
 
     def init(example_item: Any) -> PrioritizedBufferState:
         return PrioritizedBufferState(
@@ -587,7 +491,7 @@ def make_prioritized_buffer(
     ) -> PrioritizedBufferState:
         state, slots = _write(state, items, episode_end, capacity)
         values = jnp.broadcast_to(state.max_priority, slots.shape)
-        return state.replace(tree=sum_tree_set(state.tree, slots, values))
+        return state.replace(tree=sum_tree_set(state.tree, slots, values, strategy))
 
     def sample(
         state: PrioritizedBufferState, key: jax.Array, batch_size: int, beta: Any = None
@@ -597,12 +501,10 @@ def make_prioritized_buffer(
             beta_ = jnp.float32(default_beta)
         else:
             if not isinstance(beta, (jax.Array, jax.core.Tracer)):
-                b = np.asarray(beta, np.float64)
-                if b.shape != () or not np.isfinite(b) or b < 0:
-                    raise ValueError(f"beta must be a finite float >= 0, got {beta!r}")
+                check_float(beta.item() if isinstance(beta, np.ndarray) else beta, "beta", low=0)
             beta_ = jnp.nan_to_num(jnp.maximum(jnp.asarray(beta, jnp.float32), 0), nan=0.0)
-        u = _uniform(key, (batch_size,), jnp.float32)
-        indices, value = _tree_inverse_cdf(state.tree, u)
+        u = jax.random.uniform(key, (batch_size,), jnp.float32)
+        indices, value = sum_tree_inverse_cdf(state.tree, u, return_values=True)
         # (N P)^-beta / max (N P)^-beta  ==  (p / min p)^-beta: the total cancels
         low = jnp.min(value)
         ratio = jnp.where(low > 0, value / jnp.where(low > 0, low, 1), 1)
@@ -617,9 +519,9 @@ def make_prioritized_buffer(
             jnp.asarray(priorities, jnp.float32).reshape(-1), indices.shape
         )
         p = jnp.power(jnp.abs(priorities) + epsilon, alpha)
-        p = jnp.minimum(p, value_cap(jnp.float32, state.tree.num_leaves))
+        p = jnp.minimum(p, state.tree.max_value)
         valid = valid & jnp.isfinite(priorities) & (indices < state.size)
-        tree = _tree_set(state.tree, indices, p, valid)
+        tree = sum_tree_set(state.tree, jnp.where(valid, indices, -1), p, strategy)
         max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(valid, p, 0.0), initial=0.0))
         return state.replace(tree=tree, max_priority=max_p)
 
@@ -639,5 +541,15 @@ def make_prioritized_buffer(
     can_sample.__doc__ = "Whether the buffer holds at least ``batch_size`` items."
     sample_sequences.__doc__ = _SEQ_DOC
     return PrioritizedBuffer(
-        init, add, sample, can_sample, update, sample_sequences, capacity, alpha, beta, epsilon
+        init,
+        add,
+        sample,
+        can_sample,
+        update,
+        sample_sequences,
+        capacity,
+        alpha,
+        beta,
+        epsilon,
+        strategy,
     )

@@ -13,11 +13,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from coax_utils._dataclass import pytree_dataclass
+from coax_utils import utils
+from coax_utils._checks import check_float, check_int, is_int
+from coax_utils.replay._sequence import SequenceSample
 from coax_utils.replay._transition import TransitionBatch, check_state_keys
 from coax_utils.utils import SumTree
 
-__all__ = ["PrioritizedReplayBuffer", "SequenceSample", "SimpleReplayBuffer"]
+__all__ = ["PrioritizedReplayBuffer", "SimpleReplayBuffer"]
 
 _LARGE_BYTES = 1 << 20  # sampled leaves of this size are copied by several threads
 _MAX_COUNT = np.iinfo(np.int64).max  # ids are int64 and never wrap
@@ -56,48 +58,14 @@ def _parallel_take(chunks: list) -> None:
         future.result()
 
 
-@pytree_dataclass
-class SequenceSample:
-    """A batch of contiguous windows sampled from a replay buffer.
-
-    Windows never cross an episode boundary: steps after the end of the episode in which a
-    window starts are *masked* (``mask`` False) and hold a copy of the window's last valid
-    step (repeat-last padding), so every row is made of data of one episode only.
-
-    Parameters
-    ----------
-    items : pytree
-        The sampled windows, each leaf with shape ``(batch_size, length, ...)`` (for the host
-        buffers a :class:`TransitionBatch`, with ``idx`` and ``W`` of shape
-        ``(batch_size, length)``).
-    mask : array of bool, shape ``(batch_size, length)``
-        True where the step belongs to the episode of the window's first step. The first
-        column is always True.
-    indices : array of int, shape ``(batch_size, length)``
-        Where each step was read: the transition ids (host buffers) or the storage slots
-        (jittable buffers).
-    """
-
-    items: Any
-    mask: Any
-    indices: Any
-
-
 def _check_batch_size(batch_size: Any, name: str = "batch_size") -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-        raise TypeError(f"{name} must be a positive int, got {batch_size!r}")
-    if batch_size <= 0:
-        raise ValueError(f"{name} must be a positive int, got {batch_size!r}")
-    return int(batch_size)
+    return check_int(batch_size, name, low=1)
 
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _check_int(state: dict, key: str, owner: str, lo: int, hi: int) -> int:
     value = state[key]
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{owner} state: {key} must be an int, got {value!r}")
     if not lo <= value <= hi:
         raise ValueError(f"{owner} state: {key} must lie in [{lo}, {hi}], got {value}")
@@ -119,7 +87,7 @@ def _check_array(state: dict, key: str, owner: str, dtype: Any, shape: tuple) ->
 def _check_ids(idx: Any) -> np.ndarray:
     """Transition ids as a 1-d int64 array; refuses what does not fit instead of wrapping."""
     if isinstance(idx, (list, tuple)):
-        if not all(_is_int(i) for i in idx):
+        if not all(is_int(i) for i in idx):
             raise TypeError(f"idx must be ints, got {idx!r:.100}")
         bad = [i for i in idx if not 0 <= int(i) <= _MAX_COUNT]
         if bad:
@@ -281,11 +249,7 @@ class _RingStorage:
     """Shared machinery of the host buffers: storage, ids, episodes, RNG, persistence."""
 
     def __init__(self, capacity: int, random_seed: int | None = None) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
-            raise TypeError(f"capacity must be a positive int, got {capacity!r}")
-        if capacity <= 0:
-            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
-        self._capacity = int(capacity)
+        self._capacity = check_int(capacity, "capacity", low=1)
         self._rng = np.random.default_rng(random_seed)
         self.clear()
 
@@ -802,11 +766,11 @@ class _RingStorage:
         if not (
             isinstance(shape, list)
             and len(shape) <= 8
-            and all(_is_int(d) and d >= 0 for d in shape)
+            and all(is_int(d) and d >= 0 for d in shape)
         ):
             raise ValueError(f"{name} state: leaf {i} has an invalid shape {shape!r}")
         nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        if not (_is_int(offset) and offset >= 0 and offset % dtype.itemsize == 0):
+        if not (is_int(offset) and offset >= 0 and offset % dtype.itemsize == 0):
             raise ValueError(f"{name} state: leaf {i} has an invalid offset {offset!r}")
         if offset + nbytes > block.shape[1]:
             raise ValueError(
@@ -856,8 +820,6 @@ class _RingStorage:
             If the transitions cannot be described as plain data (see
             :meth:`__checkpoint_state__`).
         """
-        from coax_utils.utils import dump
-
         target = os.path.abspath(os.fspath(path))
         parent, base = os.path.split(target)
         if os.path.lexists(target) and not (
@@ -900,7 +862,8 @@ class _RingStorage:
                 "files": files,
                 "generators": generators,
             }
-            dump(record, os.path.join(staging, _META))  # written last: marks a complete folder
+            # written last: marks a complete folder
+            utils.dump(record, os.path.join(staging, _META))
             _fsync_path(staging)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -949,8 +912,6 @@ class _RingStorage:
             If the folder is incomplete, does not hold a buffer of this class, or anything
             in it is inconsistent; the message names the folder.
         """
-        from coax_utils.utils import load
-
         if mmap_mode not in ("c", "r", None):
             hint = " (writing through to a saved folder would break it; use save)"
             raise ValueError(
@@ -969,7 +930,7 @@ class _RingStorage:
         if not os.path.isfile(meta_path):
             raise bad(f"{_META} is missing (an incomplete save)")
         try:
-            record = load(meta_path, safe=True)
+            record = utils.load(meta_path, safe=True)
         except (ValueError, TypeError, OSError, EOFError) as e:
             raise bad(f"{_META} cannot be read ({e})") from None
         keys = ("format", "class", "state", "files", "generators")
@@ -996,7 +957,7 @@ class _RingStorage:
             place = state.get(key) if isinstance(key, str) else "missing"
             if index is None and place is None and key in state:
                 state[key] = arr
-            elif _is_int(index) and isinstance(place, list) and 0 <= index < len(place):
+            elif is_int(index) and isinstance(place, list) and 0 <= index < len(place):
                 if place[index] is not None:
                     raise bad(f"files[{i}] points at {key}[{index}], which is not empty")
                 state[key] = place = list(place)
@@ -1207,19 +1168,11 @@ class PrioritizedReplayBuffer(_RingStorage):
 
     @staticmethod
     def _check_exponent(name: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-            raise TypeError(f"{name} must be a non-negative float, got {value!r}")
-        if not (np.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be a non-negative float, got {value!r}")
-        return float(value)
+        return check_float(value, name, low=0)
 
     @staticmethod
     def _check_epsilon(value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-            raise TypeError(f"epsilon must be a positive float, got {value!r}")
-        if not (np.isfinite(value) and value > 0):
-            raise ValueError(f"epsilon must be a positive float, got {value!r}")
-        return float(value)
+        return check_float(value, "epsilon", low=0, low_open=True)
 
     @property
     def alpha(self) -> float:

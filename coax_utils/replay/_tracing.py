@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from coax_utils._checks import check_int
 from coax_utils.replay._transition import TransitionBatch, check_state_keys
 
 __all__ = ["EpisodeDoneError", "InsufficientCacheError", "MonteCarlo", "NStep"]
@@ -277,9 +278,7 @@ class NStep(_BaseTracer):
         self.reset()
 
     def _set_n(self, n: Any, record_extra_info: bool) -> None:
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"n must be a positive int, got {n!r}")
-        self.n = int(n)
+        self.n = check_int(n, "n", low=1)
         self.record_extra_info = record_extra_info
         self._gammas = np.power(self.gamma, np.arange(self.n + 1))
 

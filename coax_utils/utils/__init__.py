@@ -3,7 +3,13 @@
 Implementations live in private modules, one topic each; this module re-exports them.
 Import from here (``from coax_utils import utils; utils.argmax(...)``), never from ``_x``
 modules.
+
+``get_transition_batch`` builds a :class:`coax_utils.replay.TransitionBatch`, so it lives in
+:mod:`coax_utils.replay` (above this module) and is re-exported here lazily, on first access:
+importing ``utils`` never imports ``replay``.
 """
+
+from typing import Any
 
 # -- arrays and pytrees ------------------------------------------------------------------
 from coax_utils.utils._arrays import argmax
@@ -54,6 +60,7 @@ from coax_utils.utils._segment_tree import MaxTree
 from coax_utils.utils._segment_tree import MinTree
 from coax_utils.utils._segment_tree import SegmentTree
 from coax_utils.utils._segment_tree import SumTree
+from coax_utils.utils._segment_tree_fn import SUM_TREE_STRATEGIES
 from coax_utils.utils._segment_tree_fn import SumTreeState
 from coax_utils.utils._segment_tree_fn import sum_tree_init
 from coax_utils.utils._segment_tree_fn import sum_tree_inverse_cdf
@@ -74,7 +81,6 @@ from coax_utils.utils._checkpoint_manager import CheckpointManager
 from coax_utils.utils._envs import check_preprocessors
 from coax_utils.utils._envs import default_preprocessor
 from coax_utils.utils._envs import get_env_attr
-from coax_utils.utils._envs import get_transition_batch
 from coax_utils.utils._envs import has_env_attr
 from coax_utils.utils._envs import make_dmc
 from coax_utils.utils._envs import render_episode
@@ -87,6 +93,7 @@ __all__ = [
     "MinTree",
     "OUNoiseState",
     "OrnsteinUhlenbeckNoise",
+    "SUM_TREE_STRATEGIES",
     "SegmentTree",
     "StepwiseLinearFunction",
     "SumTree",
@@ -151,3 +158,15 @@ __all__ = [
     "unstack_trees",
     "unvectorize",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "get_transition_batch":  # the lazy re-export (see the module docstring)
+        from coax_utils import replay
+
+        return replay.get_transition_batch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coax_utils._checks import check_int, is_int
+
 __all__ = [
     "argmax",
     "argmin",
@@ -25,7 +27,7 @@ __all__ = [
 
 
 def _normalize_axis(axis: Any, ndim: int, name: str = "axis") -> int:
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+    if not is_int(axis):
         raise TypeError(f"{name} must be an int or None, got {axis!r}")
     if not -ndim <= axis < ndim:
         raise np.exceptions.AxisError(f"{name}={axis} is out of bounds for an array of ndim {ndim}")
@@ -399,11 +401,7 @@ def diff_transform_matrix(num_frames: int, dtype: Any = "float32") -> jax.Array:
            [-2, -1,  0],
            [ 1,  1,  1]], dtype=int32)
     """
-    if isinstance(num_frames, bool) or not isinstance(num_frames, (int, np.integer)):
-        raise TypeError(f"num_frames must be a positive int, got {num_frames!r}")
-    if num_frames < 1:
-        raise ValueError(f"num_frames must be a positive int, got {num_frames}")
-    n = int(num_frames)
+    n = check_int(num_frames, "num_frames", low=1)
     m = np.array(
         [
             [(-1) ** (n - 1 - a) * math.comb(n - 1 - b, n - 1 - a) for b in range(n)]

@@ -1,5 +1,5 @@
 """Helpers around gymnasium envs and spaces: wrapper attributes, sampling, preprocessors,
-dummy transitions, episode rendering and DeepMind Control suite envs."""
+episode rendering and DeepMind Control suite envs."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coax_utils._checks import check_int
+
 __all__ = [
     "check_preprocessors",
     "default_preprocessor",
     "get_env_attr",
-    "get_transition_batch",
     "has_env_attr",
     "make_dmc",
     "render_episode",
@@ -29,11 +30,7 @@ _ERROR = "__ERROR__"
 
 
 def _check_depth(max_depth: Any) -> int:
-    if isinstance(max_depth, bool) or not isinstance(max_depth, (int, np.integer)):
-        raise TypeError(f"max_depth must be a positive int, got {max_depth!r}")
-    if max_depth <= 0:
-        raise ValueError(f"max_depth must be a positive int, got {max_depth!r}")
-    return int(max_depth)
+    return check_int(max_depth, "max_depth", low=1)
 
 
 def _find_env_attr(env: Any, attr: str, max_depth: int) -> tuple[bool, Any]:
@@ -393,78 +390,6 @@ def check_preprocessors(
                 if a.shape != b.shape or not np.allclose(a, b, rtol=1e-6, atol=1e-7):
                     return False
     return True
-
-
-def get_transition_batch(
-    env: Any, batch_size: int = 1, gamma: float = 0.9, random_seed: int | None = None
-) -> Any:
-    """Generate a batch of dummy transitions from an environment's spaces.
-
-    The env is not stepped: states and actions are drawn from ``env.observation_space`` and
-    ``env.action_space`` with :func:`safe_sample`, rewards from a clipped standard normal,
-    log-propensities from the log of a uniform in :math:`[0.01, 0.99]`, bootstrap factors
-    ``In`` from :math:`\\{0, \\gamma\\}` and weights ``W`` from a clipped ratio of uniforms. It
-    is meant for initializing function approximators and for tests.
-
-    Parameters
-    ----------
-    env : gymnasium environment
-        A gymnasium-style environment.
-    batch_size : positive int, optional
-        The desired batch size of the sample.
-    gamma : float between 0 and 1, optional
-        The discount factor used for ``In``.
-    random_seed : int, optional
-        In order to generate the transition, we do some random sampling from the provided
-        spaces. This ``random_seed`` sets the seed for the pseudo-random number generators.
-
-    Returns
-    -------
-    transition_batch : TransitionBatch
-        A batch of transitions (NumPy leaves with a leading batch axis).
-
-    Examples
-    --------
-    >>> import gymnasium
-    >>> tb = get_transition_batch(gymnasium.make("CartPole-v1"), batch_size=4, random_seed=0)
-    >>> tb.batch_size, tb.S.shape, tb.A.shape, tb.In.dtype
-    (4, (4, 4), (4,), dtype('float32'))
-    """
-    from coax_utils.replay import TransitionBatch
-
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-        raise TypeError(f"batch_size must be a positive int, got {batch_size!r}")
-    if batch_size <= 0:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float, np.floating, np.integer)):
-        raise TypeError(f"gamma must be a float in the unit interval [0, 1], got {gamma!r}")
-    if not 0 <= gamma <= 1:
-        raise ValueError(f"gamma must be a float in the unit interval [0, 1], got {gamma!r}")
-    for attr in ("observation_space", "action_space"):
-        if not isinstance(getattr(env, attr, None), gymnasium.Space):
-            raise TypeError(f"env must have a gymnasium {attr}, got {env!r}")
-
-    rng = np.random.default_rng(random_seed)
-    n = int(batch_size)
-
-    def batch_sample(space: gymnasium.Space) -> Any:
-        xs = [safe_sample(space, rng) for _ in range(n)]
-        return jax.tree_util.tree_map(lambda *leaves: np.stack(leaves, axis=0), *xs)
-
-    def logp() -> np.ndarray:
-        return np.log(np.clip(rng.random(n), 0.01, 0.99)).astype(np.float32)
-
-    return TransitionBatch(
-        S=batch_sample(env.observation_space),
-        A=batch_sample(env.action_space),
-        logP=logp(),
-        Rn=np.clip(rng.standard_normal(n), -5.0, 5.0).astype(np.float32),
-        In=rng.choice(np.array([0.0, gamma], np.float32), n),
-        S_next=batch_sample(env.observation_space),
-        A_next=batch_sample(env.action_space),
-        logP_next=logp(),
-        W=np.clip(rng.random(n) / rng.random(n), 0.01, 100.0).astype(np.float32),
-    )
 
 
 def render_episode(

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from coax_utils._checks import check_int
 from coax_utils.utils._envs import get_env_attr
 
 __all__ = ["generate_gif"]
@@ -163,10 +164,7 @@ def generate_gif(
     if max_episode_steps is None:
         spec = getattr(env, "spec", None)
         max_episode_steps = getattr(spec, "max_episode_steps", None) or 10000
-    if isinstance(max_episode_steps, bool) or not isinstance(max_episode_steps, (int, np.integer)):
-        raise TypeError(f"max_episode_steps must be a positive int, got {max_episode_steps!r}")
-    if max_episode_steps <= 0:
-        raise ValueError(f"max_episode_steps must be a positive int, got {max_episode_steps!r}")
+    max_episode_steps = check_int(max_episode_steps, "max_episode_steps", low=1)
     if policy is not None and not callable(policy):
         raise TypeError(f"policy must be callable, got {policy!r}")
     render_mode = get_env_attr(env, "render_mode", default=None)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coax_utils._checks import is_int
 from coax_utils._dataclass import pytree_dataclass
 
 __all__ = [
@@ -153,10 +154,7 @@ class OrnsteinUhlenbeckNoise:
         random_seed: int | None = None,
     ):
         self._param_shape = _check_params(mu, sigma, theta, min_value, max_value)
-        if random_seed is not None and (
-            isinstance(random_seed, (bool, np.bool_))
-            or not isinstance(random_seed, (int, np.integer))
-        ):
+        if random_seed is not None and not is_int(random_seed):
             raise TypeError(f"random_seed must be an int or None, got {random_seed!r}")
         self.mu = mu
         self.sigma = sigma

@@ -6,17 +6,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from coax_utils._checks import check_int
 
 __all__ = ["quantile_cos_embedding", "quantiles", "quantiles_uniform"]
 
 
 def _check_size(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
+    return check_int(value, name, low=minimum)
 
 
 def quantiles(batch_size: int, num_quantiles: int = 200) -> jax.Array:

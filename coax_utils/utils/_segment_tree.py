@@ -1,13 +1,15 @@
-r"""Host-side segment trees (NumPy storage, compiled inner loops when numba is available).
+r"""Host-side segment trees (NumPy storage, numba kernels for the built-in reducers).
 
 Layout: a 1-indexed binary heap in one float64 array ``_arr`` of length ``2 * L``, where
 ``L = 2 ** (height - 1)`` is the smallest power of two ``>= capacity``. Level ``l`` (0 is the
 root) starts at node ``2 ** l``; value ``i`` sits at node ``L + i``. Leaves past ``capacity``
 hold the reducer's unit element, so they never change a reduction; ``_arr[0]`` is unused.
 
-The hot loops (``set_values``, the sum-tree descent, ``partial_reduce``) run in numba kernels
-for the sum, min and max reducers. numba is imported on first use only; without it (or for
-other reducers) the same algorithms run as vectorized NumPy code.
+The hot loops (``set_values``, the sum-tree descent, ``partial_reduce``) of the sum, min and
+max reducers run in numba kernels only: numba is a required dependency, imported on first use
+(not at ``import coax_utils``). A plain :class:`SegmentTree` with any other reducer (a Python
+callable the kernels cannot run) uses vectorized NumPy code, tested against the same oracles
+through such reducers.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from coax_utils._checks import is_int
+
 __all__ = ["MaxTree", "MinTree", "SegmentTree", "SumTree"]
 
-# numba kernels, loaded on first use; False means "numba is not available"
+# numba kernels, loaded on first use
 _KERNELS: Any = None
-# set to False to force the NumPy implementation (used by the tests to cover both paths)
-_USE_NUMBA = True
 
 _OPS = {
     np.add: 0,
@@ -36,22 +38,13 @@ _OPS = {
 
 
 def _kernels() -> Any:
-    """The numba kernel module, or None when numba is missing or disabled."""
+    """The numba kernel module (imported on first use: compiling and loading take time)."""
     global _KERNELS
-    if not _USE_NUMBA:
-        return None
     if _KERNELS is None:
-        try:
-            from coax_utils.utils import _segment_tree_numba
-        except ImportError:  # numba is optional: fall back to NumPy
-            _KERNELS = False
-        else:
-            _KERNELS = _segment_tree_numba
-    return _KERNELS or None
+        from coax_utils.utils import _segment_tree_numba
 
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+        _KERNELS = _segment_tree_numba
+    return _KERNELS
 
 
 def _numeric_array(x: Any, name: str) -> np.ndarray:
@@ -131,7 +124,7 @@ class SegmentTree:
     """
 
     def __init__(self, capacity: int, reducer: Callable[[Any, Any], Any], init_value: float):
-        if not _is_int(capacity):
+        if not is_int(capacity):
             raise TypeError(f"capacity must be an int, got {capacity!r}")
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -175,7 +168,7 @@ class SegmentTree:
             "init_value": self.init_value,
             "nodes": self._arr,
             "rng": getattr(self, "_rng", None),
-            "random_seed": int(seed) if _is_int(seed) else None,
+            "random_seed": int(seed) if is_int(seed) else None,
         }
         return {key: state[key] for key in self._STATE_KEYS}
 
@@ -192,7 +185,7 @@ class SegmentTree:
         tree = cls.__new__(cls)
         reducer, init_value = cls._restore_reducer(state)
         capacity = state["capacity"]
-        if not _is_int(capacity):
+        if not is_int(capacity):
             raise TypeError(f"{cls.__name__} state: capacity must be an int, got {capacity!r}")
         if capacity < 1:
             raise ValueError(f"{cls.__name__} state: capacity must be >= 1, got {capacity}")
@@ -291,7 +284,7 @@ class SegmentTree:
         if isinstance(lookup, tuple) and len(lookup) == 2:
             level, index = lookup
             return self[level][index]
-        if not _is_int(lookup):
+        if not is_int(lookup):
             raise IndexError(
                 "tree lookup must be tree[level] or tree[level, index] with an int level, "
                 f"got {lookup!r}"
@@ -314,11 +307,11 @@ class SegmentTree:
 
     def _check_idx_values(self, idx: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
         """Turn (idx, values) into a fresh int64 index array and a float64 value array."""
-        if not isinstance(idx, np.ndarray) and not _is_int(idx) and hasattr(idx, "__array__"):
+        if not isinstance(idx, np.ndarray) and not is_int(idx) and hasattr(idx, "__array__"):
             idx = np.asarray(idx)  # e.g. a jax.Array
         if idx is None or idx is Ellipsis:
             idx = np.arange(self.capacity, dtype=np.int64)
-        elif _is_int(idx) or (isinstance(idx, list) and all(_is_int(i) for i in idx)):
+        elif is_int(idx) or (isinstance(idx, list) and all(is_int(i) for i in idx)):
             ints = [int(i) for i in np.atleast_1d(np.asarray(idx, dtype=object))]
             for p, i in enumerate(ints):  # Python ints of any size: check before converting
                 if not -self.capacity <= i < self.capacity:
@@ -383,8 +376,8 @@ class SegmentTree:
             infinity).
         """
         idx, values = self._check_idx_values(idx, values)
-        kernels = _kernels() if self._op >= 0 else None
-        if kernels is not None:
+        if self._op >= 0:
+            kernels = _kernels()
             code, pos = kernels.set_values(
                 self._arr,
                 self._num_leaves,
@@ -491,10 +484,9 @@ class SegmentTree:
                 f"range [{start_arr[p]}:{stop_arr[p]}] is empty, reversed or out of bounds "
                 f"for capacity {cap}"
             )
-        kernels = _kernels() if self._op >= 0 else None
-        if kernels is not None:
+        if self._op >= 0:
             out = np.empty(lo.shape, np.float64)
-            kernels.partial_reduce(
+            _kernels().partial_reduce(
                 self._arr, self._num_leaves, self._op, self.init_value, lo, hi, out
             )
         else:
@@ -502,9 +494,9 @@ class SegmentTree:
         return out[0] if scalar else out
 
     def _check_bound(self, name: str, x: Any) -> np.ndarray:
-        if _is_int(x):
+        if is_int(x):
             return np.array([x], dtype=np.int64)
-        if isinstance(x, list) and all(_is_int(i) for i in x):
+        if isinstance(x, list) and all(is_int(i) for i in x):
             x = np.array(x, dtype=np.int64)
         if not isinstance(x, np.ndarray) and hasattr(x, "__array__"):  # e.g. a jax.Array
             x = np.asarray(x)
@@ -580,7 +572,7 @@ class SumTree(SegmentTree):
         rng, seed = state["rng"], state["random_seed"]
         if not isinstance(rng, np.random.Generator):
             raise TypeError(f"SumTree state: rng must be a numpy Generator, got {rng!r}")
-        if seed is not None and not _is_int(seed):
+        if seed is not None and not is_int(seed):
             raise TypeError(f"SumTree state: random_seed must be an int or None, got {seed!r}")
         self._rng, self._random_seed = rng, seed
 
@@ -614,7 +606,7 @@ class SumTree(SegmentTree):
         ValueError
             If ``n < 1`` or all values are zero.
         """
-        if not _is_int(n):
+        if not is_int(n):
             raise TypeError(f"n must be an int, got {n!r}")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -658,21 +650,9 @@ class SumTree(SegmentTree):
         return int(out) if u_arr.ndim == 0 else out
 
     def _descend(self, u: np.ndarray) -> np.ndarray:
-        kernels = _kernels()
-        if kernels is not None:
-            out = np.empty(u.shape[0], np.int64)
-            kernels.inverse_cdf(self._arr, self._num_leaves, u, out)
-            return out
-        arr = self._arr
-        target = u * arr[1]
-        node = np.ones(u.shape, np.int64)
-        for _ in range(self._height - 1):
-            child = 2 * node
-            left = arr[child]
-            go_left = (target < left) | (arr[child + 1] <= 0)
-            target = np.where(go_left, target, target - left)
-            node = np.where(go_left, child, child + 1)
-        return node - self._num_leaves
+        out = np.empty(u.shape[0], np.int64)
+        _kernels().inverse_cdf(self._arr, self._num_leaves, u, out)
+        return out
 
 
 class MinTree(SegmentTree):

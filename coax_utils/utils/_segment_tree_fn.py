@@ -16,11 +16,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from coax_utils._checks import check_choice, check_int, checked_indices
 from coax_utils._dataclass import pytree_dataclass, static_field
 
 __all__ = [
+    "SUM_TREE_STRATEGIES",
     "SumTreeState",
     "sum_tree_init",
     "sum_tree_inverse_cdf",
@@ -30,6 +31,10 @@ __all__ = [
     "sum_tree_total",
     "sum_tree_values",
 ]
+
+
+#: The write strategies of :func:`sum_tree_set` (see there).
+SUM_TREE_STRATEGIES = ("auto", "sequential", "vectorized")
 
 
 @pytree_dataclass
@@ -57,6 +62,12 @@ class SumTreeState:
     def height(self) -> int:
         """Number of levels below the root (``log2(num_leaves)``)."""
         return self.num_leaves.bit_length() - 1
+
+    @property
+    def max_value(self) -> float:
+        """The largest value a leaf may hold (``finfo(dtype).max / (2 * num_leaves)``), so
+        that no partial sum overflows; :func:`sum_tree_set` clips larger values to it."""
+        return float(jnp.finfo(self.nodes.dtype).max) / (2 * self.num_leaves)
 
 
 def _num_leaves(capacity: int) -> int:
@@ -94,43 +105,11 @@ def sum_tree_init(capacity: int, dtype: Any = jnp.float32) -> SumTreeState:
     >>> print(float(sum_tree_total(state)))
     4.0
     """
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
-        raise TypeError(f"capacity must be an int, got {capacity!r}")
-    capacity = int(capacity)
-    if capacity < 1:
-        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    capacity = check_int(capacity, "capacity", low=1)
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"dtype must be a floating point dtype, got {dtype}")
     return SumTreeState(nodes=jnp.zeros(2 * _num_leaves(capacity), dtype), capacity=capacity)
-
-
-def checked_indices(indices: Any, limit: int) -> tuple[jax.Array, jax.Array]:
-    """``indices`` (flattened) as int32 positions and a mask of those in ``[0, limit)``.
-
-    The dtype is known while tracing: anything but integers (floats, bools) raises a
-    TypeError there. The range is checked in the indices' own dtype (NumPy input on the
-    host, before any conversion), so an index such as ``2**32 + 1`` never wraps around to a
-    valid slot: it is masked out and its int32 position is -1.
-    """
-    if isinstance(indices, (jax.Array, jax.core.Tracer)):
-        x = indices
-    else:
-        x = np.asarray(indices)
-    if not (jnp.issubdtype(x.dtype, jnp.integer) and x.dtype != jnp.bool_):
-        raise TypeError(f"indices must be integers, got dtype {x.dtype}: {indices!r}")
-    if isinstance(x, np.ndarray):
-        x = x.reshape(-1)
-        valid = (x >= 0) & (x < limit)
-        return jnp.asarray(np.where(valid, x, -1).astype(np.int32)), jnp.asarray(valid)
-    x = x.reshape(-1)
-    valid = (x >= 0) & (x < limit)
-    return jnp.where(valid, x, -1).astype(jnp.int32), valid
-
-
-def value_cap(dtype: Any, num_leaves: int) -> float:
-    """The largest value a leaf may hold so that no partial sum of the tree overflows."""
-    return float(jnp.finfo(dtype).max) / (2 * num_leaves)
 
 
 def _last_write_mask(indices: jax.Array) -> jax.Array:
@@ -145,7 +124,9 @@ def _last_write_mask(indices: jax.Array) -> jax.Array:
     return jnp.zeros((k,), bool).at[order].set(last_in_run)
 
 
-def sum_tree_set(state: SumTreeState, indices: jax.Array, values: jax.Array) -> SumTreeState:
+def sum_tree_set(
+    state: SumTreeState, indices: jax.Array, values: jax.Array, strategy: str = "auto"
+) -> SumTreeState:
     r"""Set ``values[indices] = values`` and recompute the affected partial sums.
 
     Parameters
@@ -161,15 +142,35 @@ def sum_tree_set(state: SumTreeState, indices: jax.Array, values: jax.Array) -> 
     values : float Array, shape ``(k,)`` or scalar
         New non-negative values. This function is traced, so it cannot raise on values;
         instead a NaN, infinite or negative value is ignored like an out-of-range index
-        (nothing is written for it), and a finite value above ``finfo(dtype).max / (2 *
-        num_leaves)`` is clipped to that bound, so the total and every partial sum stay
-        finite.
+        (nothing is written for it), and a finite value above
+        :attr:`SumTreeState.max_value` is clipped to that bound, so the total and every
+        partial sum stay finite.
+    strategy : {"auto", "sequential", "vectorized"}, optional
+        How the writes run (static; both strategies give identical trees):
+
+        - ``"sequential"``: one write after the other in a compiled loop (a leaf, then its
+          ancestors, a few scalar operations per level). Tight in-place code on a CPU.
+        - ``"vectorized"``: all writes of one level at once (a scatter per level with a
+          last-write-wins mask): ``height + 1`` parallel steps instead of ``k * height``
+          sequential ones, for GPUs and TPUs.
+        - ``"auto"`` (default): sequential where the computation runs on a CPU, vectorized
+          elsewhere. The choice is made by :func:`jax.lax.platform_dependent` when the
+          computation is compiled for its device (the device of ``state`` and the other
+          arguments, or the one ``jax.jit`` was told to use), not from the default backend
+          at trace time; the compiled code holds only the chosen strategy.
 
     Returns
     -------
     SumTreeState
         The updated tree. Every ancestor of a written leaf is recomputed as the sum of its two
         children, so no error accumulates over many updates.
+
+    Raises
+    ------
+    TypeError
+        If ``indices`` is not an integer array or ``strategy`` is not a str.
+    ValueError
+        If ``strategy`` is not one of :data:`SUM_TREE_STRATEGIES`.
 
     Notes
     -----
@@ -178,55 +179,65 @@ def sum_tree_set(state: SumTreeState, indices: jax.Array, values: jax.Array) -> 
     an int64 array into int32 at the call boundary (``2**32 + 1`` becomes ``1``) before
     this function sees it, so pass 64-bit indices to an eager call, or enable x64.
 
-    On CPU the writes run one after the other in a loop (a leaf, then its ancestors), which
-    XLA compiles to tight in-place code; on accelerators all writes of a level run at once
-    (scatters with a last-write-wins mask). Both give identical trees.
-
     Examples
     --------
     >>> state = sum_tree_init(3)
     >>> state = sum_tree_set(state, jnp.array([1, 1]), jnp.array([5.0, 2.0]))
     >>> sum_tree_values(state).tolist()
     [0.0, 2.0, 0.0]
+    >>> vectorized = sum_tree_set(sum_tree_init(3), jnp.array([1, 1]), jnp.array([5.0, 2.0]),
+    ...                           strategy="vectorized")
+    >>> bool(jnp.array_equal(vectorized.nodes, state.nodes))
+    True
     """
+    strategy = check_choice(strategy, "strategy", SUM_TREE_STRATEGIES)
     indices, valid = checked_indices(indices, state.capacity)
     values = jnp.broadcast_to(jnp.asarray(values, state.nodes.dtype).reshape(-1), indices.shape)
     valid = valid & jnp.isfinite(values) & (values >= 0)
-    values = jnp.minimum(values, value_cap(state.nodes.dtype, state.num_leaves))
-    if jax.default_backend() == "cpu":
-        return _set_sequential(state, indices, values, valid)
-    return _set_vectorized(state, indices, values, valid)
+    values = jnp.minimum(values, state.max_value)
+    args = (state, indices, values, valid)
+    if strategy == "sequential":
+        nodes = _set_sequential(*args)
+    elif strategy == "vectorized":
+        nodes = _set_vectorized(*args)
+    else:
+        nodes = jax.lax.platform_dependent(*args, cpu=_set_sequential, default=_set_vectorized)
+    return state.replace(nodes=nodes)
 
 
 def _set_sequential(
     state: SumTreeState, indices: jax.Array, values: jax.Array, valid: jax.Array
-) -> SumTreeState:
-    """One write at a time: set the leaf, then recompute its ancestors bottom-up."""
-    n, capacity = state.num_leaves, state.capacity
+) -> jax.Array:
+    """One write at a time: set the leaf, then recompute its ancestors bottom-up.
 
-    def write(nodes: jax.Array, item: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
-        i, v, valid = item
-        node = jnp.clip(i, 0, capacity - 1) + n
-        v = jnp.where(valid, v, nodes[node])  # an ignored index rewrites the current value
-        nodes = jax.lax.dynamic_update_slice(nodes, v[None], (node,))
+    An ignored entry rewrites slot 0's leaf with its own value. Reads and writes are scalar
+    dynamic slices, which XLA's CPU backend compiles to in-place loads and stores.
+    """
+    n = state.num_leaves
 
-        def up(_: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def one(nodes: jax.Array, item: tuple) -> tuple:
+        i, v, ok = item
+        node = jnp.where(ok, i, 0) + n
+        old = jax.lax.dynamic_index_in_dim(nodes, node, keepdims=False)
+        nodes = jax.lax.dynamic_update_index_in_dim(nodes, jnp.where(ok, v, old), node, 0)
+
+        def level(_: Any, carry: tuple) -> tuple:
             nodes, node = carry
             node = node // 2
-            children = jax.lax.dynamic_slice(nodes, (2 * node,), (2,))
-            total = (children[0] + children[1])[None]
-            return jax.lax.dynamic_update_slice(nodes, total, (node,)), node
+            total = jax.lax.dynamic_index_in_dim(nodes, 2 * node, keepdims=False)
+            total = total + jax.lax.dynamic_index_in_dim(nodes, 2 * node + 1, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(nodes, total, node, 0), node
 
-        nodes, _ = jax.lax.fori_loop(0, state.height, up, (nodes, node))
+        nodes, _ = jax.lax.fori_loop(0, state.height, level, (nodes, node))
         return nodes, None
 
-    nodes, _ = jax.lax.scan(write, state.nodes, (indices, values, valid))
-    return state.replace(nodes=nodes)
+    nodes, _ = jax.lax.scan(one, state.nodes, (indices, values, valid))
+    return nodes
 
 
 def _set_vectorized(
     state: SumTreeState, indices: jax.Array, values: jax.Array, valid: jax.Array
-) -> SumTreeState:
+) -> jax.Array:
     """All writes of one level at once: a leaf scatter, then one scatter per level."""
     n = state.num_leaves
     # the last write of each index wins, among the valid writes only
@@ -240,8 +251,7 @@ def _set_vectorized(
         # several entries may share a parent: they all write the same (recomputed) value
         nodes = nodes.at[node].set(nodes[2 * node] + nodes[2 * node + 1], mode="drop")
     # node 0 collected the invalid entries; keep it at zero
-    nodes = nodes.at[0].set(0)
-    return state.replace(nodes=nodes)
+    return nodes.at[0].set(0)
 
 
 def sum_tree_values(state: SumTreeState) -> jax.Array:
@@ -309,7 +319,9 @@ def sum_tree_reduce(state: SumTreeState, start: Any, stop: Any) -> jax.Array:
     return total
 
 
-def sum_tree_inverse_cdf(state: SumTreeState, u: Any) -> jax.Array:
+def sum_tree_inverse_cdf(
+    state: SumTreeState, u: Any, return_values: bool = False
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Inverse CDF of the categorical distribution with probabilities ``values / total``.
 
     For each :math:`u\in[0, 1]` this returns the index :math:`i` with
@@ -322,6 +334,10 @@ def sum_tree_inverse_cdf(state: SumTreeState, u: Any) -> jax.Array:
     at every node it only enters a child with a positive sum, so ``u == 1.0`` returns the last
     non-zero slot.
 
+    Every read of the tree happens inside the descent loop (the total too), so in a jitted
+    step that samples and then updates the same (donated) tree, XLA orders all reads before
+    the in-place writes and never copies the tree.
+
     Parameters
     ----------
     state : SumTreeState
@@ -329,35 +345,45 @@ def sum_tree_inverse_cdf(state: SumTreeState, u: Any) -> jax.Array:
         all-zero tree returns index 0).
     u : float or float Array
         Numbers in ``[0, 1]`` (clipped to it; NaN counts as 0), any shape.
+    return_values : bool, optional
+        Also return the values at the returned indices (static; default False).
 
     Returns
     -------
-    int32 Array
-        Indices, same shape as ``u``.
+    int32 Array, or a tuple (int32 Array, Array)
+        Indices, same shape as ``u``; with ``return_values`` also their values.
 
     Examples
     --------
     >>> state = sum_tree_set(sum_tree_init(4), jnp.arange(4), jnp.array([1.0, 0.0, 3.0, 0.0]))
     >>> sum_tree_inverse_cdf(state, jnp.array([0.0, 0.2499, 0.25, 1.0])).tolist()
     [0, 0, 2, 2]
+    >>> idx, val = sum_tree_inverse_cdf(state, 0.5, return_values=True)
+    >>> int(idx), float(val)
+    (2, 3.0)
     """
     nodes = state.nodes
     u = jnp.clip(jnp.nan_to_num(jnp.asarray(u, nodes.dtype), nan=0.0), 0, 1)
-    shape = u.shape
-    target = u.reshape(-1) * nodes[1]
-    children = nodes.reshape(-1, 2)  # row k holds the two children of node k
+    if state.height == 0:  # capacity 1: a single slot
+        indices, value = jnp.zeros(u.shape, jnp.int32), jnp.broadcast_to(nodes[1], u.shape)
+        return (indices, value) if return_values else indices
 
-    def down(_: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        node, target = carry
-        pair = children[node]
-        left, right = pair[:, 0], pair[:, 1]
+    def down(i: Any, carry: tuple) -> tuple:
+        node, target, value = carry
+        left, right = nodes[2 * node], nodes[2 * node + 1]
+        # the root's children give the total: u becomes a target in the first step
+        target = jnp.where(i == 0, target * (left + right), target)
         go_right = (right > 0) & ((target >= left) | (left <= 0))
-        return 2 * node + go_right, jnp.where(go_right, target - left, target)
+        return (
+            2 * node + go_right,
+            jnp.where(go_right, target - left, target),
+            jnp.where(go_right, right, left),
+        )
 
-    node = jnp.ones(target.shape, jnp.int32)
-    node, _ = jax.lax.fori_loop(0, state.height, down, (node, target))
-    index = jnp.minimum(node - state.num_leaves, state.capacity - 1).astype(jnp.int32)
-    return index.reshape(shape)
+    start = (jnp.ones(u.shape, jnp.int32), u, jnp.zeros(u.shape, nodes.dtype))
+    node, _, value = jax.lax.fori_loop(0, state.height, down, start)
+    indices = jnp.minimum(node - state.num_leaves, state.capacity - 1).astype(jnp.int32)
+    return (indices, value) if return_values else indices
 
 
 def sum_tree_sample(
@@ -389,9 +415,7 @@ def sum_tree_sample(
     >>> sum_tree_sample(state, jax.random.key(0), 4).tolist()
     [1, 1, 1, 1]
     """
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
-    n = int(n)
+    n = check_int(n, "n", low=1)
     dtype = state.nodes.dtype
     u = jax.random.uniform(key, (n,), dtype)
     if stratified:

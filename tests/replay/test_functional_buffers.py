@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from coax_utils.replay import make_prioritized_buffer, make_uniform_buffer
+from coax_utils.utils import SUM_TREE_STRATEGIES, sum_tree_values
 
 
 def items(ts, dim=2):
@@ -120,6 +121,8 @@ def test_trace_time_validation():
         buffer.add(state, items(range(5)))
     with pytest.raises(ValueError):
         buffer.sample(state, jax.random.key(0), 0)
+    with pytest.raises(TypeError):
+        buffer.sample(state, jax.random.key(0), 2.0)
     for bad in (0, -1, 2**31):
         with pytest.raises(ValueError):
             make_uniform_buffer(bad)
@@ -195,44 +198,124 @@ def test_states_checkpoint_with_utils_dump(tmp_path):
     np.testing.assert_array_equal(sample(state, key, 16).indices, sample(restored, key, 16).indices)
 
 
-def test_looped_tree_traversals_match_the_functional_sum_tree():
-    from hypothesis import given, settings
-    from hypothesis import strategies as st
+def test_tree_strategies_give_identical_states_and_samples():
+    # the buffer writes through the one functional sum tree; the accelerator (vectorized)
+    # strategy is forced here on the CPU and must agree with the sequential one and "auto"
+    rng = np.random.default_rng(3)
+    capacity = 37
+    buffers = [
+        make_prioritized_buffer(capacity, alpha=0.7, tree_strategy=s) for s in SUM_TREE_STRATEGIES
+    ]
+    states = [buf.add(buf.init(EXAMPLE), items(range(30))) for buf in buffers]
+    steps = [
+        (jax.jit(buf.update), jax.jit(buf.sample, static_argnums=2), jax.jit(buf.add))
+        for buf in buffers
+    ]
+    ref = np.zeros(capacity)
+    ref[:30] = 1.0
+    for r in range(12):
+        idx = rng.integers(-2, capacity + 2, 24)  # out of range and empty slots are ignored
+        delta = rng.choice([0.0, 0.5, -2.0, 7.0, np.nan], 24).astype(np.float32)
+        for i, d in zip(idx, delta):
+            if 0 <= i < 30 + min(r, 7) and np.isfinite(d):
+                ref[i] = (abs(d) + 1e-4) ** 0.7
+        key = jax.random.key(r)
+        out = []
+        for k, (update, sample, add) in enumerate(steps):
+            states[k] = update(states[k], jnp.asarray(idx, jnp.int32), jnp.asarray(delta))
+            out.append(sample(states[k], key, 16))
+            if r < 7:  # new items get the max priority
+                states[k] = add(states[k], items([30 + r]))
+        for i in range(30, 30 + min(r + 1, 7)):
+            ref[i] = float(states[0].max_priority) if ref[i] == 0 else ref[i]
+        for k in (1, 2):
+            np.testing.assert_array_equal(np.asarray(states[k].tree.nodes), states[0].tree.nodes)
+            np.testing.assert_array_equal(np.asarray(out[k].indices), out[0].indices)
+        leaves = np.asarray(sum_tree_values(states[0].tree))
+        np.testing.assert_allclose(leaves[: 30 + min(r, 7)], ref[: 30 + min(r, 7)], rtol=1e-5)
 
-    from coax_utils.replay._functional import _tree_inverse_cdf, _tree_set
-    from coax_utils.utils import sum_tree_init, sum_tree_inverse_cdf, sum_tree_set
 
-    inv = jax.jit(_tree_inverse_cdf)
-    set_ = jax.jit(_tree_set)
-    ref_inv = jax.jit(sum_tree_inverse_cdf)
-    ref_set = jax.jit(sum_tree_set)
+def test_tree_strategy_is_checked_in_the_factory():
+    with pytest.raises(ValueError, match="tree_strategy"):
+        make_prioritized_buffer(4, tree_strategy="gpu")
+    with pytest.raises(TypeError, match="tree_strategy"):
+        make_prioritized_buffer(4, tree_strategy=1)
+    assert make_prioritized_buffer(4, tree_strategy="vectorized").tree_strategy == "vectorized"
 
-    @settings(max_examples=25, deadline=None)
-    @given(
-        capacity=st.sampled_from([2, 5, 8, 13]),
-        data=st.lists(st.tuples(st.integers(0, 12), st.floats(0, 10), st.booleans()), max_size=8),
-        seed=st.integers(0, 100),
-    )
-    def check(capacity, data, seed):
-        rng = np.random.default_rng(seed)
-        tree = sum_tree_set(
-            sum_tree_init(capacity), jnp.arange(capacity), rng.uniform(0, 2, capacity)
-        )
-        idx = jnp.asarray([i % capacity for i, _, _ in data] + [0], jnp.int32)
-        val = jnp.asarray([v for _, v, _ in data] + [1.0], jnp.float32)
-        ok = jnp.asarray([k for _, _, k in data] + [False])
-        got = set_(tree, idx, val, ok)
-        want = ref_set(tree, jnp.where(ok, idx, capacity), val)  # out of range: ignored
-        np.testing.assert_array_equal(got.nodes, want.nodes)
-        u = jnp.asarray(np.r_[rng.uniform(size=16), 0.0, 1.0], jnp.float32)
-        i, value = inv(got, u)
-        np.testing.assert_array_equal(i, ref_inv(got, u))
-        values = np.asarray(got.nodes[got.num_leaves :][:capacity])
-        if values.sum() > 0:  # an all-zero tree has no distribution (documented precondition)
-            np.testing.assert_array_equal(value, values[np.asarray(i)])
-            assert np.all(np.asarray(value) > 0)
 
-    check()
+@pytest.mark.parametrize(
+    "make_key",
+    [
+        lambda seed: jax.random.key(seed),
+        lambda seed: jax.random.key(seed, impl="rbg"),
+        lambda seed: jax.random.key(seed, impl="unsafe_rbg"),
+        lambda seed: jax.random.PRNGKey(seed),  # a raw uint32 key of the default impl
+    ],
+    ids=["threefry", "rbg", "unsafe_rbg", "raw"],
+)
+def test_randomness_goes_through_jax_random_with_the_callers_key(make_key):
+    size = 29
+    ubuf = make_uniform_buffer(32)
+    ustate = jax.jit(ubuf.add)(ubuf.init(EXAMPLE), items(range(size)))
+    key = make_key(5)
+    got = np.asarray(jax.jit(ubuf.sample, static_argnums=2)(ustate, key, 64)["t"])
+    # the indices are the caller's key's own random bits, reduced modulo the size
+    expected = np.asarray(jax.random.bits(key, (64,), jnp.uint32)) % size
+    np.testing.assert_array_equal(got, expected)
+    assert not np.array_equal(got, np.asarray(ubuf.sample(ustate, make_key(6), 64)["t"]))
+    # the law is uniform whatever the implementation
+    keys = jax.random.split(key, 200)
+    t = np.asarray(jax.jit(jax.vmap(lambda k: ubuf.sample(ustate, k, 64)["t"]))(keys)).ravel()
+    counts = np.bincount(t, minlength=size)
+    assert counts.min() > 0 and np.abs(counts - t.size / size).max() < 6 * np.sqrt(t.size / size)
+
+    pbuf = make_prioritized_buffer(8)
+    pstate = pbuf.add(pbuf.init(EXAMPLE), items(range(4)))
+    pstate = pbuf.update(pstate, jnp.arange(4), jnp.array([1.0, 0.0, 3.0, 0.0]))
+    s = jax.jit(pbuf.sample, static_argnums=2)(pstate, key, 64)
+    u = np.asarray(jax.random.uniform(key, (64,), jnp.float32))
+    p = np.array([1.0, 1e-4, 3.0, 1e-4]) + np.array([1e-4, 0, 1e-4, 0])
+    cdf = np.cumsum(p) / p.sum()
+    np.testing.assert_array_equal(np.asarray(s.indices), np.searchsorted(cdf, u, side="right"))
+
+
+def test_twin_buffers_share_defaults_and_exception_types():
+    import inspect
+
+    from coax_utils.replay import PrioritizedReplayBuffer
+
+    host = inspect.signature(PrioritizedReplayBuffer).parameters
+    jit = inspect.signature(make_prioritized_buffer).parameters
+    for name, value in (("alpha", 1.0), ("beta", 1.0), ("epsilon", 1e-4)):
+        assert host[name].default == jit[name].default == value, name
+    buffer = make_prioritized_buffer(4)
+    assert (buffer.alpha, buffer.beta, buffer.epsilon) == (1.0, 1.0, 1e-4)
+    # the same mistake raises the same exception type in both
+    for kwargs, error in (
+        (dict(capacity=4.0), TypeError),
+        (dict(capacity=True), TypeError),
+        (dict(capacity=0), ValueError),
+        (dict(capacity=4, alpha="1"), TypeError),
+        (dict(capacity=4, alpha=-1.0), ValueError),
+        (dict(capacity=4, beta=np.nan), ValueError),
+        (dict(capacity=4, epsilon=None), TypeError),
+        (dict(capacity=4, epsilon=0.0), ValueError),
+    ):
+        with pytest.raises(error):
+            PrioritizedReplayBuffer(**kwargs)
+        with pytest.raises(error):
+            make_prioritized_buffer(**kwargs)
+    host_buffer = PrioritizedReplayBuffer(4)
+    state = buffer.add(buffer.init(EXAMPLE), items(range(2)))
+    for bad, error in ((2.0, TypeError), (True, TypeError), (0, ValueError)):
+        with pytest.raises(error):
+            host_buffer.sample(batch_size=bad)
+        with pytest.raises(error):
+            buffer.sample(state, jax.random.key(0), bad)
+    with pytest.raises(TypeError):
+        buffer.sample(state, jax.random.key(0), 2, beta="x")
+    with pytest.raises(ValueError):
+        buffer.sample(state, jax.random.key(0), 2, beta=-1.0)
 
 
 def test_row_loop_and_gather_paths_agree(monkeypatch):

@@ -267,7 +267,7 @@ def test_diff_transform_columns_are_backward_differences(num_frames):
 
 
 def test_diff_transform_matrix_errors():
-    with pytest.raises(ValueError, match="positive int, got 0"):
+    with pytest.raises(ValueError, match="num_frames must be >= 1, got 0"):
         utils.diff_transform_matrix(0)
     with pytest.raises(TypeError):
         utils.diff_transform_matrix(2.0)

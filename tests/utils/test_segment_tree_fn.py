@@ -1,5 +1,8 @@
 """Tests of the functional sum tree against naive NumPy oracles and the host-side SumTree."""
 
+import functools
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -10,9 +13,9 @@ from hypothesis import strategies as st
 
 from coax_utils import utils
 from coax_utils.utils import (
+    SUM_TREE_STRATEGIES,
     SumTree,
     SumTreeState,
-    _segment_tree_fn,
     sum_tree_init,
     sum_tree_inverse_cdf,
     sum_tree_reduce,
@@ -62,8 +65,9 @@ def test_exported_from_utils():
 
 # module-level jitted functions: hypothesis examples of the same capacity reuse the compilation
 _set = jax.jit(sum_tree_set)
-# the accelerator path (all writes of a level at once), exercised here on CPU too
-_set_vectorized = jax.jit(_segment_tree_fn._set_vectorized)
+# both strategies forced: the accelerator path (all writes of a level at once) runs on CPU too
+_set_sequential = jax.jit(functools.partial(sum_tree_set, strategy="sequential"))
+_set_vectorized = jax.jit(functools.partial(sum_tree_set, strategy="vectorized"))
 _reduce = jax.jit(sum_tree_reduce)
 _inverse_cdf = jax.jit(sum_tree_inverse_cdf)
 _K = 12  # fixed batch size; unused slots carry the ignored index -1
@@ -76,7 +80,7 @@ _K = 12  # fixed batch size; unused slots carry the ignored index -1
 )
 def test_set_reduce_match_naive_oracle(capacity, data):
     state = sum_tree_init(capacity)
-    state_vectorized = state
+    state_sequential = state_vectorized = state
     ref = np.zeros(capacity, np.float32)
     for _ in range(3):
         k = data.draw(st.integers(1, _K))
@@ -91,10 +95,14 @@ def test_set_reduce_match_naive_oracle(capacity, data):
         for i, v in zip(idx[:k], vals[:k]):  # last write wins
             ref[i] = v
         state = _set(state, jnp.asarray(idx), jnp.asarray(vals))
-        state_vectorized = _set_vectorized(
-            state_vectorized, jnp.asarray(idx, jnp.int32), jnp.asarray(vals), jnp.asarray(idx >= 0)
-        )
+        state_sequential = _set_sequential(state_sequential, jnp.asarray(idx), jnp.asarray(vals))
+        state_vectorized = _set_vectorized(state_vectorized, jnp.asarray(idx), jnp.asarray(vals))
         np.testing.assert_array_equal(np.asarray(state_vectorized.nodes), np.asarray(state.nodes))
+        np.testing.assert_array_equal(np.asarray(state_sequential.nodes), np.asarray(state.nodes))
+        # every parent is the sum of its children (naive oracle of the whole heap)
+        nodes = np.asarray(state_vectorized.nodes)
+        n = state.num_leaves
+        np.testing.assert_array_equal(nodes[1:n], nodes[2 : 2 * n : 2] + nodes[3 : 2 * n : 2])
         np.testing.assert_array_equal(np.asarray(sum_tree_values(state)), ref)
         np.testing.assert_allclose(float(sum_tree_total(state)), ref.sum(), rtol=1e-6)
     start = np.array(data.draw(st.lists(st.integers(0, capacity), min_size=5, max_size=5)))
@@ -192,6 +200,94 @@ def test_sample_rejects_bad_n():
     state = sum_tree_init(3)
     with pytest.raises(ValueError, match="n must be"):
         sum_tree_sample(state, jax.random.key(0), 0)
+    with pytest.raises(TypeError, match="n must be"):
+        sum_tree_sample(state, jax.random.key(0), 2.0)
+
+
+def test_strategy_is_checked():
+    state = sum_tree_init(3)
+    assert SUM_TREE_STRATEGIES == ("auto", "sequential", "vectorized")
+    with pytest.raises(ValueError, match="'gpu'"):
+        sum_tree_set(state, jnp.array([0]), jnp.array([1.0]), strategy="gpu")
+    with pytest.raises(TypeError, match="strategy"):
+        sum_tree_set(state, jnp.array([0]), jnp.array([1.0]), strategy=None)
+
+
+@pytest.mark.parametrize("strategy", SUM_TREE_STRATEGIES)
+def test_strategies_agree_with_duplicates_and_ignored_entries(strategy):
+    rng = np.random.default_rng(11)
+    capacity = 45
+    ref = np.zeros(capacity, np.float32)
+    state = sum_tree_init(capacity)
+    set_ = jax.jit(functools.partial(sum_tree_set, strategy=strategy))
+    for _ in range(20):
+        idx = rng.integers(-3, capacity + 3, 64)  # out-of-range entries are ignored
+        vals = rng.choice([0.0, 0.25, 1.0, 3.0, np.nan, -1.0], 64).astype(np.float32)
+        for i, v in zip(idx, vals):
+            if 0 <= i < capacity and np.isfinite(v) and v >= 0:
+                ref[i] = v  # last valid write wins
+        state = set_(state, jnp.asarray(idx, jnp.int32), jnp.asarray(vals))
+        np.testing.assert_array_equal(np.asarray(sum_tree_values(state)), ref)
+        np.testing.assert_allclose(float(sum_tree_total(state)), ref.sum(), rtol=1e-6)
+
+
+def _exported_text(fn, platform, *args):
+    return jax.export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
+
+
+def test_auto_strategy_follows_the_platform_it_is_compiled_for():
+    # "auto" is resolved when lowering for the target device, not from the default backend:
+    # lowered for CUDA or TPU (possible without such a device) the program holds the
+    # vectorized writes (a sort for the last-write mask, no loop), for a CPU the loop only
+    state, idx, vals = sum_tree_init(64), jnp.arange(4), jnp.ones(4)
+    for platform, vectorized in (("cpu", False), ("cuda", True), ("tpu", True)):
+        text = _exported_text(sum_tree_set, platform, state, idx, vals)
+        assert ("stablehlo.sort" in text) == vectorized, platform
+        assert ("stablehlo.while" in text) == (not vectorized), platform
+    forced = functools.partial(sum_tree_set, strategy="vectorized")
+    assert "stablehlo.sort" in _exported_text(forced, "cpu", state, idx, vals)
+
+
+def _tree_copies(compiled_text, num_nodes):
+    return re.findall(rf"f32\[{num_nodes}\]\{{0\}} copy\(", compiled_text)
+
+
+def test_sample_then_update_step_does_not_copy_the_tree():
+    capacity = 1 << 12
+    state = sum_tree_set(sum_tree_init(capacity), jnp.arange(capacity), jnp.ones(capacity))
+    num_nodes = state.nodes.shape[0]
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, key):
+        u = jax.random.uniform(key, (32,))
+        idx, val = sum_tree_inverse_cdf(state, u, return_values=True)
+        return sum_tree_set(state, idx, jnp.full(32, 2.0)), val
+
+    text = step.lower(state, jax.random.key(0)).compile().as_text()
+    assert _tree_copies(text, num_nodes) == []
+
+    # the check can fail: a read of the old tree that nothing orders before the update
+    # (here the leaves' values read after the descent) makes XLA copy the tree
+    @functools.partial(jax.jit, donate_argnums=0)
+    def copying_step(state, key):
+        idx = sum_tree_inverse_cdf(state, jax.random.uniform(key, (32,)))
+        val = state.nodes[state.num_leaves + idx]
+        return sum_tree_set(state, idx, jnp.full(32, 2.0)), val
+
+    text = copying_step.lower(state, jax.random.key(0)).compile().as_text()
+    assert _tree_copies(text, num_nodes) != []
+
+
+def test_inverse_cdf_returns_the_values_of_the_sampled_slots():
+    values = jnp.array([0.5, 0.0, 2.0, 1.5, 0.0])
+    state = sum_tree_set(sum_tree_init(5), jnp.arange(5), values)
+    u = jnp.linspace(0, 1, 17)
+    idx, val = jax.jit(functools.partial(sum_tree_inverse_cdf, return_values=True))(state, u)
+    np.testing.assert_array_equal(np.asarray(val), np.asarray(values)[np.asarray(idx)])
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(sum_tree_inverse_cdf(state, u)))
+    single = sum_tree_set(sum_tree_init(1), jnp.array([0]), jnp.array([4.0]))
+    idx, val = sum_tree_inverse_cdf(single, jnp.array([0.3, 1.0]), return_values=True)
+    assert idx.tolist() == [0, 0] and val.tolist() == [4.0, 4.0]
 
 
 def test_jit_matches_eager_and_does_not_retrace():
@@ -290,15 +386,6 @@ def test_no_drift_after_many_updates():
     state = many_updates(state, jax.random.key(0))
     leaves = np.asarray(sum_tree_values(state), np.float64)
     np.testing.assert_allclose(float(sum_tree_total(state)), leaves.sum(), rtol=1e-6)
-
-
-@settings(max_examples=25, deadline=None)
-@given(st.lists(st.integers(-2, 6), min_size=0, max_size=12))
-def test_last_write_mask_marks_the_last_occurrence(indices):
-    # the accelerator path relies on this mask: scatters with duplicates have no defined order
-    mask = np.asarray(_segment_tree_fn._last_write_mask(jnp.asarray(indices, jnp.int32)))
-    expected = [i not in indices[p + 1 :] for p, i in enumerate(indices)]
-    np.testing.assert_array_equal(mask, np.array(expected, bool))
 
 
 # -- bad indices and values never corrupt the tree -----------------------------------------

@@ -1,0 +1,119 @@
+"""Argument checks shared by every subpackage: one rule for the whole package.
+
+A value of the wrong *type* raises :class:`TypeError`; a value of the right type but outside
+what is allowed raises :class:`ValueError`. Messages name the argument and the bad value.
+Booleans are never accepted as numbers (``True`` is an ``int`` to Python, but passing it as a
+capacity or a seed is a mistake).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "check_choice",
+    "check_float",
+    "check_int",
+    "check_seed",
+    "checked_indices",
+    "is_int",
+]
+
+
+def is_int(x: Any) -> bool:
+    """Whether ``x`` is a Python or NumPy integer (booleans excluded)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _range_text(low: Any, high: Any, low_open: bool = False) -> str:
+    parts = []
+    if low is not None:
+        parts.append(f"{'>' if low_open else '>='} {low}")
+    if high is not None:
+        parts.append(f"<= {high}")
+    return " and ".join(parts)
+
+
+def check_int(value: Any, name: str, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as a Python int in ``[low, high]`` (either bound may be None).
+
+    Raises TypeError if ``value`` is not an integer (bools and floats included), ValueError if
+    it lies outside the bounds.
+    """
+    if not is_int(value):
+        what = f"an int {_range_text(low, high)}".rstrip()
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must be {_range_text(low, high)}, got {value!r}")
+    return int(value)
+
+
+def check_float(
+    value: Any,
+    name: str,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> float:
+    """``value`` as a finite Python float in ``[low, high]`` (``(low, high]`` with ``low_open``).
+
+    Raises TypeError if ``value`` is not a real number (bools, strings and arrays included),
+    ValueError if it is NaN, infinite or outside the bounds.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    v = float(value)
+    bad = not np.isfinite(v)
+    bad = bad or (low is not None and (v <= low if low_open else v < low))
+    bad = bad or (high is not None and v > high)
+    if bad:
+        what = f"a finite number {_range_text(low, high, low_open)}".rstrip()
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return v
+
+
+def check_seed(value: Any, name: str = "random_seed") -> int | None:
+    """``value`` as a non-negative int, or None (TypeError/ValueError otherwise)."""
+    if value is None:
+        return None
+    return check_int(value, name, low=0)
+
+
+def check_choice(value: Any, name: str, choices: Iterable[str]) -> str:
+    """``value`` if it is one of the strings ``choices``.
+
+    Raises TypeError if ``value`` is not a str, ValueError if it is another string.
+    """
+    choices = tuple(choices)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {choices}, got {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def checked_indices(indices: Any, limit: int) -> tuple[Any, Any]:
+    """``indices`` (flattened) as int32 positions and a mask of those in ``[0, limit)``.
+
+    For jittable code: the dtype is known while tracing, so anything but integers (floats,
+    bools) raises a TypeError there. The range is checked in the indices' own dtype (NumPy
+    input on the host, before any conversion), so an index such as ``2**32 + 1`` never wraps
+    around to a valid slot: it is masked out and its int32 position is -1.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    x = indices if isinstance(indices, (jax.Array, jax.core.Tracer)) else np.asarray(indices)
+    if not (jnp.issubdtype(x.dtype, jnp.integer) and x.dtype != jnp.bool_):
+        raise TypeError(f"indices must be integers, got dtype {x.dtype}: {indices!r}")
+    if isinstance(x, np.ndarray):
+        x = x.reshape(-1)
+        valid = (x >= 0) & (x < limit)
+        return jnp.asarray(np.where(valid, x, -1).astype(np.int32)), jnp.asarray(valid)
+    x = x.reshape(-1)
+    valid = (x >= 0) & (x < limit)
+    return jnp.where(valid, x, -1).astype(jnp.int32), valid
