@@ -43,11 +43,11 @@ __all__ = [
     "SequenceSample",
     "SimpleReplayBuffer",
     "TransitionBatch",
-    "frame_fingerprints",
-    "make_frame_stack_buffer",
     "UniformBuffer",
     "UniformBufferState",
+    "frame_fingerprints",
     "get_transition_batch",
+    "make_frame_stack_buffer",
     "make_prioritized_buffer",
     "make_uniform_buffer",
 ]

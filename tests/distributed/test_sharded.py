@@ -171,7 +171,7 @@ def test_a_killed_writer_leaves_the_shards_and_other_writers_intact(ray_cluster)
     doomed, survivor = Writer.remote(), Writer.remote()
     doomed_ref = doomed.run.remote(replay, 0, 10_000, 5)
     survivor_ref = survivor.run.remote(replay, 1, 40, 5)
-    while replay.num_added() < 100:
+    while replay.num_added() < 300:  # the survivor adds 200 at most: the doomed one >= 100
         time.sleep(0.05)
     ray.kill(doomed)
     with pytest.raises(ray.exceptions.RayActorError):
