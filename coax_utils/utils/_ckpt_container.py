@@ -45,9 +45,10 @@ __all__ = [
 MAGIC = b"\x89COAXCK\n"
 END_MAGIC = b"\nKCXAOC\x89"
 # Bytes of raw data per compressed chunk. Each chunk starts without an lz4 history, which
-# costs about 1 KB of output on compressible data: at 16 MiB that is less than what the block
-# headers of an lz4 frame cost, and still many chunks for the threads.
-CHUNK_SIZE = 16 << 20
+# costs about 1 KB of output on compressible data (0.03 % at 4 MiB). Smaller chunks keep the
+# threads and the thread that assembles the output busy at the same time (4 MiB measured
+# faster than 16 MiB and 1 MiB for both dumps and loads).
+CHUNK_SIZE = 4 << 20
 MAX_THREADS = 4
 # lz4 expands a stored byte into at most 255 output bytes (plus a few bytes per block).
 _LZ4_MAX_RATIO = 255
