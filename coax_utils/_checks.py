@@ -19,6 +19,7 @@ __all__ = [
     "check_float",
     "check_int",
     "check_seed",
+    "check_state_keys",
     "checked_indices",
     "is_int",
 ]
@@ -117,3 +118,20 @@ def checked_indices(indices: Any, limit: int) -> tuple[Any, Any]:
     x = x.reshape(-1)
     valid = (x >= 0) & (x < limit)
     return jnp.where(valid, x, -1).astype(jnp.int32), valid
+
+
+def check_state_keys(state: Any, keys: tuple[str, ...], owner: str) -> dict[str, Any]:
+    """``state`` as a dict with exactly ``keys``, for ``__checkpoint_restore__`` methods.
+
+    Raises TypeError if it is not a dict and ValueError naming missing or unexpected keys.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"the state of a {owner} must be a dict, got {type(state).__name__}")
+    missing = [k for k in keys if k not in state]
+    extra = [k for k in state if k not in keys]
+    if missing or extra:
+        raise ValueError(
+            f"the state of a {owner} needs exactly the keys {list(keys)}; missing {missing}, "
+            f"unexpected {extra}"
+        )
+    return state

@@ -14,9 +14,9 @@ import jax
 import numpy as np
 
 from coax_utils import utils
-from coax_utils._checks import check_float, check_int, is_int
+from coax_utils._checks import check_float, check_int, check_state_keys, is_int
 from coax_utils.replay._sequence import SequenceSample
-from coax_utils.replay._transition import TransitionBatch, check_state_keys
+from coax_utils.replay._transition import TransitionBatch
 from coax_utils.utils import SumTree
 
 __all__ = ["PrioritizedReplayBuffer", "SimpleReplayBuffer"]

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from coax_utils._checks import check_int
-from coax_utils.replay._transition import TransitionBatch, check_state_keys
+from coax_utils._checks import check_int, check_state_keys
+from coax_utils.replay._transition import TransitionBatch
 
 __all__ = ["EpisodeDoneError", "InsufficientCacheError", "MonteCarlo", "NStep"]
 

@@ -224,20 +224,3 @@ class TransitionBatch:
             f"{f.name}={describe(getattr(self, f.name))}" for f in dataclasses.fields(self)
         )
         return f"TransitionBatch({parts})"
-
-
-def check_state_keys(state: Any, keys: tuple[str, ...], owner: str) -> dict[str, Any]:
-    """``state`` as a dict with exactly ``keys``, for ``__checkpoint_restore__`` methods.
-
-    Raises TypeError if it is not a dict and ValueError naming missing or unexpected keys.
-    """
-    if not isinstance(state, dict):
-        raise TypeError(f"the state of a {owner} must be a dict, got {type(state).__name__}")
-    missing = [k for k in keys if k not in state]
-    extra = [k for k in state if k not in keys]
-    if missing or extra:
-        raise ValueError(
-            f"the state of a {owner} needs exactly the keys {list(keys)}; missing {missing}, "
-            f"unexpected {extra}"
-        )
-    return state

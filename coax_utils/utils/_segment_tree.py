@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from coax_utils._checks import is_int
+from coax_utils._checks import check_state_keys, is_int
 
 __all__ = ["MaxTree", "MinTree", "SegmentTree", "SumTree"]
 
@@ -56,20 +56,6 @@ def _numeric_array(x: Any, name: str) -> np.ndarray:
     if arr.dtype.kind not in "biuf":
         raise TypeError(f"{name} must be numbers, got {x!r} (dtype {arr.dtype})")
     return arr.astype(np.float64)
-
-
-def _checked_state(state: Any, keys: tuple[str, ...], owner: str) -> dict[str, Any]:
-    """``state`` as a dict with exactly ``keys`` (ValueError/TypeError naming what is off)."""
-    if not isinstance(state, dict):
-        raise TypeError(f"the state of a {owner} must be a dict, got {type(state).__name__}")
-    missing = [k for k in keys if k not in state]
-    extra = [k for k in state if k not in keys]
-    if missing or extra:
-        raise ValueError(
-            f"the state of a {owner} needs exactly the keys {list(keys)}; missing {missing}, "
-            f"unexpected {extra}"
-        )
-    return state
 
 
 _Tree = TypeVar("_Tree", bound="SegmentTree")
@@ -181,7 +167,7 @@ class SegmentTree:
         capacity, the length of ``nodes``, values that the tree refuses, padding that is not
         the unit element, or a parent that is not the reduction of its children.
         """
-        state = _checked_state(state, cls._STATE_KEYS, cls.__name__)
+        state = check_state_keys(state, cls._STATE_KEYS, cls.__name__)
         tree = cls.__new__(cls)
         reducer, init_value = cls._restore_reducer(state)
         capacity = state["capacity"]
