@@ -327,17 +327,30 @@ class _FrameStacks:
             if self._live(np.array([slot]))[0]:
                 yield self._gather(np.array([slot]))
 
-    def sample_sequences(self, batch_size: int, length: int) -> Any:
-        """Not available: frame-stacked buffers hold transitions of interleaved streams.
+    def _window_starts(self, batch_size: int, positions: int) -> np.ndarray:
+        """Window starts as in the base buffer, redrawing those whose first step lost frames."""
+        oldest = self._oldest_slot()  # type: ignore[attr-defined]
+        draw = super()._window_starts  # type: ignore[misc]
+        starts = draw(batch_size, positions)
+        for _ in range(_REJECTION_ROUNDS):
+            dead = np.flatnonzero(~self._live((oldest + starts) % self._capacity))
+            if not len(dead):
+                return starts
+            starts[dead] = draw(len(dead), positions)
+        candidates = np.arange(positions)
+        live = candidates[self._live((oldest + candidates) % self._capacity)]
+        if not len(live):
+            raise ValueError(
+                "no window starts at a transition that has all its frames: frame_capacity "
+                f"{self._frame_capacity} is too small for these transitions"
+            )
+        return self._rng.choice(live, size=batch_size)  # type: ignore[attr-defined]
 
-        Raises
-        ------
-        NotImplementedError
-            Always.
-        """
-        raise NotImplementedError(
-            f"{type(self).__name__} does not sample sequences; use SimpleReplayBuffer"
-        )
+    def _window_mask(self, slots: np.ndarray) -> np.ndarray:
+        """The base mask, also ending each window before a step that lost frames."""
+        mask = super()._window_mask(slots)  # type: ignore[misc]
+        mask &= self._live(slots.reshape(-1)).reshape(slots.shape)
+        return np.logical_and.accumulate(mask, axis=1)
 
     # -- checkpoints ---------------------------------------------------------------------------
 

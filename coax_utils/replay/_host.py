@@ -545,6 +545,15 @@ class _RingStorage:
         for slot in self._filled_in_order():
             yield self._gather(np.array([slot]))
 
+    def _window_starts(self, batch_size: int, positions: int) -> np.ndarray:
+        """Logical positions (0 = oldest) where ``batch_size`` windows start."""
+        return self._rng.integers(0, positions, size=batch_size)
+
+    def _window_mask(self, slots: np.ndarray) -> np.ndarray:
+        """Which steps of each window (rows of ``slots``) belong to its first episode."""
+        episode = self._episode[slots]
+        return episode == episode[:, :1]
+
     def sample_sequences(self, batch_size: int, length: int) -> SequenceSample:
         """Sample contiguous windows of ``length`` consecutive transitions.
 
@@ -583,11 +592,10 @@ class _RingStorage:
         n = len(self)
         if n < length:
             raise ValueError(f"the buffer holds {n} transitions, fewer than length={length}")
-        starts = self._rng.integers(0, n - length + 1, size=batch_size)
+        starts = self._window_starts(batch_size, n - length + 1)
         logical = starts[:, None] + np.arange(length)
         slots = (self._oldest_slot() + logical) % self._capacity
-        episode = self._episode[slots]
-        mask = episode == episode[:, :1]
+        mask = self._window_mask(slots)
         last = mask.sum(axis=1, keepdims=True) - 1
         slots = np.take_along_axis(slots, np.minimum(np.arange(length), last), axis=1)
         batch = self._gather(slots.reshape(-1))

@@ -143,7 +143,7 @@ def _host_copy(x: jax.Array, host: jax.Device | None) -> jax.Array:
     # aligned buffer lets device_put adopt the copy as the array's memory instead of copying
     src = np.asarray(x)  # a view of a CPU array's memory, or the array fetched from a GPU
     raw = np.empty(src.nbytes + _ALIGN, np.uint8)
-    skip = -raw.ctypes.data % _ALIGN
+    skip = -raw.__array_interface__["data"][0] % _ALIGN
     out = raw[skip : skip + src.nbytes].view(src.dtype).reshape(src.shape)
     np.copyto(out, src)
     return jax.device_put(out, host, may_alias=True)

@@ -294,5 +294,47 @@ def test_bad_input_changes_nothing():
         with pytest.raises(error):
             buffer.add(batch)
         assert utils.dumps(buffer) == before
-    with pytest.raises(NotImplementedError):
-        buffer.sample_sequences(2, 2)
+
+
+def assert_windows(seq, expected):
+    assert seq.mask[:, 0].all()
+    rows = seq.items.idx
+    for b, t in zip(*np.nonzero(seq.mask)):
+        tr = expected[int(rows[b, t])]
+        np.testing.assert_array_equal(seq.items.S[b, t], tr.S[0])
+        np.testing.assert_array_equal(seq.items.S_next[b, t], tr.S_next[0])
+
+
+def test_sequences_match_the_plain_buffer_when_no_frame_is_lost():
+    buffer = FrameStackReplayBuffer(capacity=30, stack_size=K, random_seed=3)
+    plain = SimpleReplayBuffer(capacity=30, random_seed=3)
+
+    class Both:
+        def add(self, batch):
+            buffer.add(batch)
+            plain.add(batch)
+
+    oracle, _ = run(image_cartpole(max_steps=6), Both(), NStep(n=1, gamma=0.9), 80)
+    seq, ref = buffer.sample_sequences(16, 5), plain.sample_sequences(16, 5)
+    assert_windows(seq, by_id(oracle))
+    np.testing.assert_array_equal(seq.mask, ref.mask)
+    np.testing.assert_array_equal(seq.indices, ref.indices)
+    np.testing.assert_array_equal(seq.items.S, ref.items.S)
+
+
+def test_sequences_never_hold_a_step_that_lost_frames():
+    # as in the ring test: the oldest transitions lose frames while still in the buffer
+    buffer = FrameStackReplayBuffer(capacity=30, stack_size=K, frame_capacity=32, random_seed=0)
+    lost = []
+
+    def check(oracle):
+        if len(buffer) < 5:
+            return
+        live = {int(tr.idx[0]) for tr in buffer}
+        seq = buffer.sample_sequences(16, 5)
+        assert_windows(seq, by_id(oracle))
+        assert {int(i) for i in seq.indices[seq.mask]} <= live
+        lost.append(len(buffer) - len(live))
+
+    run(image_cartpole(max_steps=6), buffer, NStep(n=2, gamma=0.9), 120, after_step=check)
+    assert max(lost) > 0
