@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from coax_utils._checks import check_state_keys, is_int
+from coax_utils._checks import check_seed, check_state_keys, is_int
 
 __all__ = ["MaxTree", "MinTree", "SegmentTree", "SumTree"]
 
@@ -558,9 +558,7 @@ class SumTree(SegmentTree):
         rng, seed = state["rng"], state["random_seed"]
         if not isinstance(rng, np.random.Generator):
             raise TypeError(f"SumTree state: rng must be a numpy Generator, got {rng!r}")
-        if seed is not None and not is_int(seed):
-            raise TypeError(f"SumTree state: random_seed must be an int or None, got {seed!r}")
-        self._rng, self._random_seed = rng, seed
+        self._rng, self._random_seed = rng, check_seed(seed, "SumTree state: random_seed")
 
     @property
     def random_seed(self) -> int | None:

@@ -479,3 +479,10 @@ def test_checkpoint_restore_checks_every_invariant():
     for reducer in ("system", "sin", 3):
         with pytest.raises((ValueError, TypeError)):
             SegmentTree.__checkpoint_restore__(dict(base, reducer=reducer))
+
+
+def test_sum_tree_restore_refuses_a_seed_no_generator_takes():
+    state = SumTree(8, random_seed=3).__checkpoint_state__()
+    for seed, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="random_seed"):
+            SumTree.__checkpoint_restore__(dict(state, random_seed=seed))
