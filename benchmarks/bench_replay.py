@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import time
 
 import jax
@@ -148,14 +149,20 @@ def host_buffers(obs_shape, obs_dtype, capacity, batch_size, reps, rep_seconds, 
 
     last = [ours.sample(batch_size)]
 
+    def sample_keep_last():  # a training loop: the previous batch is alive during the draw
+        last[0] = ours.sample(batch_size)
+
     def sample_into_last():  # the caller hands back its previous batch: no new memory
         last[0] = ours.sample(batch_size, out=last[0])
 
     variants = {
         "SimpleReplayBuffer.sample": lambda: ours.sample(batch_size),
+        "SimpleReplayBuffer.sample, batch kept": sample_keep_last,
         "SimpleReplayBuffer.sample(out=)": sample_into_last,
         "cpprb ReplayBuffer.sample": lambda: peer.sample(batch_size),
     }
+    if "out" not in inspect.signature(ours.sample).parameters:  # releases before 0.2
+        del variants["SimpleReplayBuffer.sample(out=)"]
     storage = ours._storage
     if obs_dtype == np.uint8:
         nbytes = sum(a[:batch_size].nbytes for a in storage)
@@ -359,14 +366,7 @@ def jitted_prioritized(capacity, batch_size, reps, rep_seconds, alpha=0.6):
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few seconds smoke run")
-    args = parser.parse_args()
-    reps, rep_s = (3, 0.02) if args.quick else (11, 0.15)
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, reps={reps}")
-
-    small_cap = 20_000 if args.quick else 100_000
+def section1(small_cap, reps, rep_s):
     times, _ = host_buffers((4,), np.float32, small_cap, 256, reps, rep_s)
     report(
         f"1. host uniform sample, B=256, obs (4,) float32, N={small_cap}",
@@ -374,7 +374,8 @@ def main() -> None:
         "cpprb ReplayBuffer.sample",
     )
 
-    frame_cap = 1024 if args.quick else 8192
+
+def section2(frame_cap, reps, rep_s):
     times, nbytes = host_buffers((84, 84, 4), np.uint8, frame_cap, 256, reps, rep_s)
     report(
         f"2. host uniform sample, B=256, S and S_next (84,84,4) uint8, N={frame_cap}",
@@ -384,30 +385,45 @@ def main() -> None:
         label="ms",
     )
     memcpy = np.median(times["memcpy (same bytes)"])
-    for name in (
-        "SimpleReplayBuffer.sample",
-        "SimpleReplayBuffer.sample(out=)",
-        "cpprb ReplayBuffer.sample",
-    ):
+    for name in times:
+        if name.startswith("memcpy"):
+            continue
         gbps = nbytes / np.median(times[name]) / 1e9
         print(f"  {name:<34} {gbps:6.1f} GB/s = {memcpy / np.median(times[name]):.2f} of memcpy")
     print(f"  {'memcpy':<34} {nbytes / memcpy / 1e9:6.1f} GB/s")
 
-    times = jitted_uniform(small_cap, 256, reps, rep_s)
-    report(
-        f"3. jitted uniform sample, B=256, N={small_cap}",
-        times,
-        "flashbax item buffer sample (jit)",
-    )
 
-    configs = [(2**14, 32)] if args.quick else [(2**20, 32), (2**20, 256), (2**17, 1024)]
-    for capacity, batch_size in configs:
-        times = jitted_prioritized(capacity, batch_size, reps, rep_s)
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few seconds smoke run")
+    parser.add_argument(
+        "--sections", default="1234", help="which sections to run, e.g. 12 (default: all)"
+    )
+    args = parser.parse_args()
+    reps, rep_s = (3, 0.02) if args.quick else (11, 0.15)
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, reps={reps}")
+
+    small_cap = 20_000 if args.quick else 100_000
+    if "1" in args.sections:
+        section1(small_cap, reps, rep_s)
+    if "2" in args.sections:
+        section2(1024 if args.quick else 8192, reps, rep_s)
+    if "3" in args.sections:
+        times = jitted_uniform(small_cap, 256, reps, rep_s)
         report(
-            f"4. jitted prioritized sample+update, N={capacity}, B={batch_size} (donated)",
+            f"3. jitted uniform sample, B=256, N={small_cap}",
             times,
-            "flashbax prioritised step (jit)",
+            "flashbax item buffer sample (jit)",
         )
+    if "4" in args.sections:
+        configs = [(2**14, 32)] if args.quick else [(2**20, 32), (2**20, 256), (2**17, 1024)]
+        for capacity, batch_size in configs:
+            times = jitted_prioritized(capacity, batch_size, reps, rep_s)
+            report(
+                f"4. jitted prioritized sample+update, N={capacity}, B={batch_size} (donated)",
+                times,
+                "flashbax prioritised step (jit)",
+            )
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@ r"""Jittable replay buffers: frozen containers of pure functions over pytree sta
 
 Random numbers come from :mod:`jax.random` with the caller's ``key``, whatever its
 implementation (threefry, rbg, unsafe_rbg; typed keys or raw ``uint32`` keys of the default
-implementation): same key, same sample; split keys as usual. Uniform indices are drawn as
-32 random bits reduced modulo the number of stored items, uniform up to a relative bias below
-``size / 2**32``. The priorities of the prioritized buffer live in the package's one
-functional sum tree (:func:`coax_utils.utils.sum_tree_set` and friends).
+implementation): same key, same sample; split keys as usual (see
+``coax_utils._random`` for how small draws stay cheap on a CPU). Uniform indices are drawn
+as 32 random bits reduced modulo the number of stored items, uniform up to a relative bias
+below ``size / 2**32``; priority draws use the top 24 bits of a word as a uniform number.
+The priorities of the prioritized buffer live in the package's one functional sum tree
+(:func:`coax_utils.utils.sum_tree_set` and friends).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 
 from coax_utils._checks import check_choice, check_float, check_int, checked_indices
 from coax_utils._dataclass import pytree_dataclass
+from coax_utils._random import random_index, random_uniform
 from coax_utils.replay._sequence import SequenceSample
 from coax_utils.utils import (
     SUM_TREE_STRATEGIES,
@@ -38,15 +41,6 @@ __all__ = [
     "make_prioritized_buffer",
     "make_uniform_buffer",
 ]
-
-
-# -- randomness ---------------------------------------------------------------------------
-
-
-def _randint(key: jax.Array, shape: tuple[int, ...], span: jax.Array) -> jax.Array:
-    """int32 numbers in ``[0, span)`` (``span >= 1``, traced) from ``jax.random.bits``."""
-    span = jnp.maximum(span, 1).astype(jnp.uint32)
-    return (jax.random.bits(key, shape, jnp.uint32) % span).astype(jnp.int32)
 
 
 # -- shared helpers -------------------------------------------------------------------------
@@ -161,7 +155,7 @@ def _sample_sequences(
     length = _check_static_int(length, "length")
     if length > capacity:
         raise ValueError(f"length={length} exceeds the buffer's capacity {capacity}")
-    starts = _randint(key, (batch_size,), state.size - length + 1)
+    starts = random_index(key, (batch_size,), state.size - length + 1)
     oldest = jnp.where(state.size < capacity, 0, state.pos)
     slots = (oldest + starts[:, None] + jnp.arange(length, dtype=jnp.int32)) % capacity
     episode = state.episode[slots]
@@ -297,7 +291,7 @@ def make_uniform_buffer(capacity: int) -> UniformBuffer:
 
     def sample(state: UniformBufferState, key: jax.Array, batch_size: int) -> Any:
         batch_size = _check_static_int(batch_size, "batch_size")
-        return _gather(state.items, _randint(key, (batch_size,), state.size))
+        return _gather(state.items, random_index(key, (batch_size,), state.size))
 
     def can_sample(state: Any, batch_size: int) -> jax.Array:
         return state.size >= jnp.maximum(batch_size, 1)
@@ -503,7 +497,7 @@ def make_prioritized_buffer(
             if not isinstance(beta, (jax.Array, jax.core.Tracer)):
                 check_float(beta.item() if isinstance(beta, np.ndarray) else beta, "beta", low=0)
             beta_ = jnp.nan_to_num(jnp.maximum(jnp.asarray(beta, jnp.float32), 0), nan=0.0)
-        u = jax.random.uniform(key, (batch_size,), jnp.float32)
+        u = random_uniform(key, batch_size)
         indices, value = sum_tree_inverse_cdf(state.tree, u, return_values=True)
         # (N P)^-beta / max (N P)^-beta  ==  (p / min p)^-beta: the total cancels
         low = jnp.min(value)

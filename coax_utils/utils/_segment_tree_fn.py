@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from coax_utils._checks import check_choice, check_int, checked_indices
 from coax_utils._dataclass import pytree_dataclass, static_field
+from coax_utils._random import random_uniform
 
 __all__ = [
     "SUM_TREE_STRATEGIES",
@@ -417,7 +418,7 @@ def sum_tree_sample(
     """
     n = check_int(n, "n", low=1)
     dtype = state.nodes.dtype
-    u = jax.random.uniform(key, (n,), dtype)
+    u = random_uniform(key, n, dtype)
     if stratified:
         u = (jnp.arange(n, dtype=dtype) + u) / n
     return sum_tree_inverse_cdf(state, u)

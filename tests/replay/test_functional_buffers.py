@@ -259,8 +259,15 @@ def test_randomness_goes_through_jax_random_with_the_callers_key(make_key):
     ustate = jax.jit(ubuf.add)(ubuf.init(EXAMPLE), items(range(size)))
     key = make_key(5)
     got = np.asarray(jax.jit(ubuf.sample, static_argnums=2)(ustate, key, 64)["t"])
-    # the indices are the caller's key's own random bits, reduced modulo the size
-    expected = np.asarray(jax.random.bits(key, (64,), jnp.uint32)) % size
+    # the indices are the caller's key's own random bits, reduced modulo the size (up to 512
+    # words are drawn in blocks of 16 under fold_in(key, block))
+    words = np.concatenate(
+        [
+            np.asarray(jax.random.bits(jax.random.fold_in(key, b), (16,), jnp.uint32))
+            for b in range(4)
+        ]
+    )
+    expected = words % size
     np.testing.assert_array_equal(got, expected)
     assert not np.array_equal(got, np.asarray(ubuf.sample(ustate, make_key(6), 64)["t"]))
     # the law is uniform whatever the implementation
@@ -273,7 +280,7 @@ def test_randomness_goes_through_jax_random_with_the_callers_key(make_key):
     pstate = pbuf.add(pbuf.init(EXAMPLE), items(range(4)))
     pstate = pbuf.update(pstate, jnp.arange(4), jnp.array([1.0, 0.0, 3.0, 0.0]))
     s = jax.jit(pbuf.sample, static_argnums=2)(pstate, key, 64)
-    u = np.asarray(jax.random.uniform(key, (64,), jnp.float32))
+    u = (words >> 8) * np.float32(2.0**-24)  # the top 24 bits of the same words
     p = np.array([1.0, 1e-4, 3.0, 1e-4]) + np.array([1e-4, 0, 1e-4, 0])
     cdf = np.cumsum(p) / p.sum()
     np.testing.assert_array_equal(np.asarray(s.indices), np.searchsorted(cdf, u, side="right"))
