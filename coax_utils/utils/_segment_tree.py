@@ -305,12 +305,12 @@ class SegmentTree:
             idx = np.array(ints, dtype=np.int64)
         elif isinstance(idx, np.ndarray) and idx.ndim <= 1 and np.issubdtype(idx.dtype, np.integer):
             idx = idx.reshape(-1)
-            # compare in the array's own dtype: uint64 2**64 - 1 must not wrap to -1
-            bad = idx >= self.capacity
-            if idx.dtype.kind == "i":
-                bad |= idx < -self.capacity
-            if bad.any():
-                raise self._index_error(idx, int(np.argmax(bad)))
+            if idx.dtype.kind == "u":
+                # compare in the array's own dtype: uint64 2**64 - 1 must not wrap to -1 (the
+                # writers range-check the signed indices they are given)
+                bad = idx >= self.capacity
+                if bad.any():
+                    raise self._index_error(idx, int(np.argmax(bad)))
             idx = idx.astype(np.int64)  # always a copy: kernels normalize in place
         else:
             raise IndexError(
