@@ -11,9 +11,12 @@ Configurations:
 4. jitted prioritized step (sample B, then update the B priorities, state donated):
    make_prioritized_buffer vs flashbax's prioritised item buffer.
 
-Every variant is checked for correctness before it is timed.
+Host samples are timed three ways: results dropped at once, "(kept)" where the caller holds
+its previous batch while the next one is drawn (a training loop), and "(out=)" where the caller
+hands its previous batch back to be overwritten. Every variant is checked for correctness
+before it is timed.
 
-Usage: ``python benchmarks/bench_replay.py [--quick]``.
+Usage: ``python benchmarks/bench_replay.py [--quick] [--sections 1234]``.
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ def host_buffers(obs_shape, obs_dtype, capacity, batch_size, reps, rep_seconds, 
 
     variants = {
         "SimpleReplayBuffer.sample": lambda: ours.sample(batch_size),
-        "SimpleReplayBuffer.sample, batch kept": sample_keep_last,
+        "SimpleReplayBuffer.sample (kept)": sample_keep_last,
         "SimpleReplayBuffer.sample(out=)": sample_into_last,
         "cpprb ReplayBuffer.sample": lambda: peer.sample(batch_size),
     }
