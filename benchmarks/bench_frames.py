@@ -3,8 +3,8 @@
 1. memory: RSS of a buffer of 100k transitions, measured in a fresh subprocess (VmRSS before
    and after filling it), extrapolated to 1M transitions;
 2. sampling 32 transitions (S and S_next): FrameStackReplayBuffer vs a plain memcpy of the
-   output bytes vs cpprb's ReplayBuffer with ``next_of`` and ``stack_compress`` (same
-   capacity, same stream);
+   output bytes (from memory that is not in the caches) vs cpprb's ReplayBuffer with
+   ``next_of`` and ``stack_compress`` (same capacity, same stream);
 3. adding one step: FrameStackReplayBuffer.add vs cpprb's add (both full, overwriting);
 4. jitted sampling from make_frame_stack_buffer vs ``jnp.take`` of the same stacks from a
    dense ``(N, k, 84, 84)`` array.
@@ -17,6 +17,7 @@ Usage: ``python benchmarks/bench_frames.py [--quick]``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -161,13 +162,19 @@ def host(capacity: int, reps: int, rep_seconds: float) -> None:
 
     batch = 32
     out_bytes = 2 * batch * K * FRAME_BYTES
-    src = np.random.default_rng(0).integers(0, 256, out_bytes, dtype=np.uint8)
-    dst = np.empty_like(src)
+    # memcpy of as many bytes from memory that is not in the caches, as the frames of a large
+    # buffer are not: one block per call from a pool of 1 GiB (larger than any L3 cache here,
+    # up to 260 MiB)
+    pool = np.random.default_rng(0).integers(
+        0, 256, (-(-(1 << 30) // out_bytes), out_bytes), dtype=np.uint8
+    )
+    dst = np.empty(out_bytes, np.uint8)
+    blocks = itertools.cycle(range(len(pool)))
     times = round_robin(
         {
             "FrameStackReplayBuffer.sample": lambda: ours.sample(batch),
             "cpprb sample (next_of+stack_compress)": lambda: peer.sample(batch),
-            "memcpy of the output bytes": lambda: np.copyto(dst, src),
+            "memcpy of the output bytes": lambda: np.copyto(dst, pool[next(blocks)]),
         },
         reps,
         rep_seconds,
@@ -218,6 +225,7 @@ def jitted(capacity: int, reps: int, rep_seconds: float) -> None:
     idx = stacks(frames, starts)
     rows = np.array([t for t in range(capacity) if not starts[t + 1]])
     buf = make_frame_stack_buffer(capacity, stack_size=K)
+
     def numbered(lo, hi):  # Rn = position in rows, to check what was sampled
         return batch_of(frames, idx, rows[lo:hi]).replace(Rn=np.arange(lo, hi, dtype=np.float32))
 
