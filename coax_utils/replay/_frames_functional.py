@@ -81,9 +81,11 @@ class _FrameRing:
         if frame_capacity is None:
             frame_capacity = capacity + capacity // 64 + 2 * k
         F = check_int(frame_capacity, "frame_capacity", low=2 * k, high=2**31 - 1)
-        window = min(check_int(window, "window", low=0), F - 2 * k)
-        bits = max(1, int(8 * max(window, 1) - 1).bit_length())  # few collisions
-        return cls(k=k, capacity=F, window=window, bits=bits)
+        window = check_int(window, "window", low=0)
+        # a table of 8 entries per frame of the requested window, at least 8192: frames that
+        # share an entry evict each other and are stored again while both are in use
+        bits = max(13, int(8 * window - 1).bit_length())
+        return cls(k=k, capacity=F, window=min(window, F - 2 * k), bits=bits)
 
     def check(self, batch: Any, frames: Any, batched: bool) -> None:
         """Trace-time checks of the stacks of ``batch`` (against ``frames`` if given)."""
