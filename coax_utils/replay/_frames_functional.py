@@ -148,23 +148,32 @@ class _FrameRing:
         refs = batch.replace(S=ids[:, 0], S_next=ids[:, 1], idx=None)
         return refs, dict(frames=frames, frame_count=count, table_hash=th, table_id=tid)
 
-    def lost(self, items: TransitionBatch, slots: jax.Array, frame_count: jax.Array) -> jax.Array:
-        """Whether the transitions stored in ``slots`` lost a frame to the ring."""
-        oldest = jnp.minimum(items.S[slots].min(axis=-1), items.S_next[slots].min(axis=-1))
-        return oldest < frame_count - self.capacity
+    def lost(self, items: TransitionBatch, frame_count: jax.Array, slots: Any = None) -> jax.Array:
+        """Whether transitions lost a frame: ``items`` (frame ids, leading batch axis), or
+        those stored in ``slots`` of ``items``."""
+        S, S_next = items.S, items.S_next
+        if slots is not None:
+            S, S_next = S[slots], S_next[slots]
+        return jnp.minimum(S.min(axis=-1), S_next.min(axis=-1)) < frame_count - self.capacity
 
     def rebuild(self, frames: jax.Array, items: TransitionBatch) -> TransitionBatch:
         """``items`` with the frame ids of ``S`` and ``S_next`` replaced by their frames.
 
         One gather per field, each written straight into its output (slicing one gather of
-        both into two outputs costs a copy of every stack).
+        both into two outputs costs a copy of every stack), without bounds handling (rows
+        ``id % capacity`` are in bounds).
         """
 
         def stacks(ids: jax.Array) -> jax.Array:
-            rows = jnp.take(frames, (ids % self.capacity).reshape(-1), axis=0)
+            rows = frames.at[(ids % self.capacity).reshape(-1)].get(mode="promise_in_bounds")
             return rows.reshape(ids.shape + frames.shape[1:])
 
         return items.replace(S=stacks(items.S), S_next=stacks(items.S_next))
+
+
+def _rows(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """``mask`` (one bool per row) shaped to broadcast against ``x``."""
+    return mask.reshape(mask.shape + (1,) * (jnp.ndim(x) - 1))
 
 
 def _check_batch_size(batch_size: Any) -> int:
@@ -270,25 +279,30 @@ def make_frame_stack_buffer(
         batch_size = _check_batch_size(batch_size)
         stored = state.transitions
 
-        def dead(slots: jax.Array) -> jax.Array:
-            return ring.lost(stored.items, slots, state.frame_count)
+        def draw(key: jax.Array) -> Any:
+            slots = jax.random.randint(key, (batch_size,), 0, stored.size)
+            return jax.tree_util.tree_map(lambda s: s[slots], stored.items)
 
         def redraw(carry: tuple) -> tuple:
-            i, key, slots = carry
+            i, key, items, lost = carry
             key, sub = jax.random.split(key)
-            new = jax.random.randint(sub, (batch_size,), 0, stored.size)
-            return i + 1, key, jnp.where(dead(slots), new, slots)
+            items = jax.tree_util.tree_map(
+                lambda new, old: jnp.where(_rows(lost, old), new, old), draw(sub), items
+            )
+            return i + 1, key, items, ring.lost(items, state.frame_count)
 
         def again(carry: tuple) -> jax.Array:
-            i, _, slots = carry
-            return (i < _REJECTION_ROUNDS) & jnp.any(dead(slots))
+            i, _, _, lost = carry
+            return (i < _REJECTION_ROUNDS) & jnp.any(lost)
 
         key, sub = jax.random.split(key)
-        slots = jax.random.randint(sub, (batch_size,), 0, stored.size)
-        _, _, slots = jax.lax.while_loop(again, redraw, (0, key, slots))
-        newest = (stored.pos - 1) % capacity
-        slots = jnp.where(dead(slots), newest, slots)
-        items = jax.tree_util.tree_map(lambda s: s[slots], stored.items)
+        items = draw(sub)  # each draw is gathered once and checked from its own frame ids
+        carry = (0, key, items, ring.lost(items, state.frame_count))
+        _, _, items, lost = jax.lax.while_loop(again, redraw, carry)
+        newest = jax.tree_util.tree_map(lambda s: s[(stored.pos - 1) % capacity], stored.items)
+        items = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(_rows(lost, old), new, old), newest, items
+        )
         return ring.rebuild(state.frames, items)
 
     def can_sample(state: FrameStackBufferState, batch_size: int) -> jax.Array:
@@ -447,7 +461,7 @@ def make_prioritized_frame_stack_buffer(
         def check(carry: tuple) -> tuple:
             t, frontier, blocked, tree = carry
             slots = (t + jnp.arange(chunk, dtype=jnp.int32)) % capacity
-            lost = (t + jnp.arange(chunk) < added) & ring.lost(stored.items, slots, count)
+            lost = (t + jnp.arange(chunk) < added) & ring.lost(stored.items, count, slots)
             tree = sum_tree_set(tree, jnp.where(lost, slots, -1), jnp.zeros(chunk), strategy)
             leading = jnp.sum(jnp.cumprod(lost), dtype=jnp.int32)
             frontier = jnp.where(blocked, frontier, t + leading)
@@ -486,7 +500,8 @@ def make_prioritized_frame_stack_buffer(
         state: PrioritizedFrameStackBufferState, indices: jax.Array, priorities: jax.Array
     ) -> PrioritizedFrameStackBufferState:
         indices, valid = checked_indices(indices, capacity)
-        lost = ring.lost(state.transitions.items, jnp.maximum(indices, 0), state.frame_count)
+        slots = jnp.maximum(indices, 0)
+        lost = ring.lost(state.transitions.items, state.frame_count, slots)
         indices = jnp.where(valid & ~lost, indices, -1)
         return state.replace(transitions=inner.update(state.transitions, indices, priorities))
 
