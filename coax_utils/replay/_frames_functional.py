@@ -171,9 +171,13 @@ class _FrameRing:
         return items.replace(S=stacks(items.S), S_next=stacks(items.S_next))
 
 
-def _rows(mask: jax.Array, x: jax.Array) -> jax.Array:
-    """``mask`` (one bool per row) shaped to broadcast against ``x``."""
-    return mask.reshape(mask.shape + (1,) * (jnp.ndim(x) - 1))
+def _select(mask: jax.Array, new: Any, old: Any) -> Any:
+    """Rows of ``new`` where ``mask`` (one bool per row of ``old``), else of ``old``."""
+
+    def one(a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.where(mask.reshape(mask.shape + (1,) * (jnp.ndim(b) - 1)), a, b)
+
+    return jax.tree_util.tree_map(one, new, old)
 
 
 def _check_batch_size(batch_size: Any) -> int:
@@ -286,9 +290,7 @@ def make_frame_stack_buffer(
         def redraw(carry: tuple) -> tuple:
             i, key, items, lost = carry
             key, sub = jax.random.split(key)
-            items = jax.tree_util.tree_map(
-                lambda new, old: jnp.where(_rows(lost, old), new, old), draw(sub), items
-            )
+            items = _select(lost, draw(sub), items)
             return i + 1, key, items, ring.lost(items, state.frame_count)
 
         def again(carry: tuple) -> jax.Array:
@@ -300,9 +302,7 @@ def make_frame_stack_buffer(
         carry = (0, key, items, ring.lost(items, state.frame_count))
         _, _, items, lost = jax.lax.while_loop(again, redraw, carry)
         newest = jax.tree_util.tree_map(lambda s: s[(stored.pos - 1) % capacity], stored.items)
-        items = jax.tree_util.tree_map(
-            lambda new, old: jnp.where(_rows(lost, old), new, old), newest, items
-        )
+        items = _select(lost, newest, items)
         return ring.rebuild(state.frames, items)
 
     def can_sample(state: FrameStackBufferState, batch_size: int) -> jax.Array:
