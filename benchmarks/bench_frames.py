@@ -7,11 +7,13 @@
    ``next_of`` and ``stack_compress`` (same capacity, same stream);
 3. adding one step: FrameStackReplayBuffer.add vs cpprb's add (both full, overwriting);
 4. jitted sampling from make_frame_stack_buffer vs ``jnp.take`` of the same stacks from a
-   dense ``(N, k, 84, 84)`` array.
+   dense ``(N, k, 84, 84)`` array;
+5. jitted prioritized sampling and update from make_prioritized_frame_stack_buffer vs
+   make_prioritized_buffer holding the same transitions with dense stacks.
 
 Every variant is checked for correctness before it is timed.
 
-Usage: ``python benchmarks/bench_frames.py [--quick]``.
+Usage: ``python benchmarks/bench_frames.py [--quick] [--only 1,4,5]``.
 """
 
 from __future__ import annotations
@@ -265,18 +267,91 @@ def jitted(capacity: int, reps: int, rep_seconds: float) -> None:
     report("  time per call", times, "make_frame_stack_buffer sample")
 
 
+# -- 5: jitted prioritized sampling and update -----------------------------------------------
+
+
+def jitted_prioritized(capacity: int, reps: int, rep_seconds: float) -> None:
+    import jax
+
+    from coax_utils.replay import make_prioritized_buffer, make_prioritized_frame_stack_buffer
+
+    episode = 1000
+    frames, starts = frame_stream(capacity + 1, episode, seed=3)
+    idx = stacks(frames, starts)
+    rows = np.array([t for t in range(capacity) if not starts[t + 1]])
+    rows = rows[: len(rows) // 1000 * 1000]
+    ours = make_prioritized_frame_stack_buffer(capacity, stack_size=K, alpha=0.6, beta=0.4)
+    dense = make_prioritized_buffer(capacity, alpha=0.6, beta=0.4)
+
+    def numbered(lo, hi):  # Rn = position in rows, to check what was sampled
+        return batch_of(frames, idx, rows[lo:hi]).replace(Rn=np.arange(lo, hi, dtype=np.float32))
+
+    first = jax.tree_util.tree_map(lambda x: x[0], numbered(0, 1))
+    states = {"ours": ours.init(first), "dense": dense.init(first)}
+    adds = {"ours": jax.jit(ours.add, donate_argnums=0), "dense": jax.jit(dense.add)}
+    for lo in range(0, len(rows), 1000):
+        batch = numbered(lo, lo + 1000)
+        states = {name: adds[name](states[name], batch) for name in states}
+    del adds
+
+    def stepper(buffer):
+        def step(state, key):  # sample 32, then give them new priorities (as a learner does)
+            drawn = buffer.sample(state, key, 32)
+            td = jax.random.normal(jax.random.fold_in(key, 1), (32,))
+            return buffer.update(state, drawn.indices, td), drawn
+
+        return jax.jit(step, donate_argnums=0)
+
+    steps = {"ours": stepper(ours), "dense": stepper(dense)}
+    key = jax.random.PRNGKey(0)
+    for name in states:  # correctness: same stacks as the stream, same slots and weights
+        states[name], drawn = steps[name](states[name], key)
+        t = rows[np.asarray(drawn.items.Rn).astype(np.int64)]
+        assert np.array_equal(np.asarray(drawn.items.S), frames[idx[t]])
+        assert np.array_equal(np.asarray(drawn.items.S_next), frames[idx[t + 1]])
+    keys = iter(jax.random.split(key, 10**6))
+
+    def run(name):
+        def call():
+            states[name], drawn = steps[name](states[name], next(keys))
+            jax.block_until_ready(drawn)
+
+        return call
+
+    times = round_robin(
+        {
+            "make_prioritized_frame_stack_buffer": run("ours"),
+            "make_prioritized_buffer, dense stacks": run("dense"),
+        },
+        reps,
+        rep_seconds,
+    )
+    dense_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(states["dense"]))
+    ours_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(states["ours"]))
+    print(f"\n5. jitted prioritized sample of 32 stacks (k={K}) + update, capacity {capacity}")
+    print(f"  state bytes: ours {ours_bytes / 2**20:.0f} MiB, dense {dense_bytes / 2**20:.0f} MiB")
+    report("  time per call", times, "make_prioritized_frame_stack_buffer")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", default="", help="sections to run, e.g. 4,5 (default: all)")
     parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child is not None:
         memory_child(args.memory_child)
         return
     reps, rep_seconds = (3, 0.05) if args.quick else (7, 0.2)
-    memory(20_000 if args.quick else 100_000)
-    host(10_000 if args.quick else 100_000, reps, rep_seconds)
-    jitted(5_000 if args.quick else 20_000, reps, rep_seconds)
+    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5}
+    if 1 in only:
+        memory(20_000 if args.quick else 100_000)
+    if only & {2, 3}:
+        host(10_000 if args.quick else 100_000, reps, rep_seconds)
+    if 4 in only:
+        jitted(5_000 if args.quick else 20_000, reps, rep_seconds)
+    if 5 in only:
+        jitted_prioritized(5_000 if args.quick else 20_000, reps, rep_seconds)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ from coax_utils.replay._frames import PrioritizedFrameStackReplayBuffer
 from coax_utils.replay._frames import frame_fingerprints
 from coax_utils.replay._frames_functional import FrameStackBuffer
 from coax_utils.replay._frames_functional import FrameStackBufferState
+from coax_utils.replay._frames_functional import PrioritizedFrameStackBuffer
+from coax_utils.replay._frames_functional import PrioritizedFrameStackBufferState
 from coax_utils.replay._frames_functional import make_frame_stack_buffer
+from coax_utils.replay._frames_functional import make_prioritized_frame_stack_buffer
 from coax_utils.replay._functional import PrioritizedBuffer
 from coax_utils.replay._functional import PrioritizedBufferState
 from coax_utils.replay._functional import PrioritizedSample
@@ -35,6 +38,8 @@ __all__ = [
     "NStep",
     "PrioritizedBuffer",
     "PrioritizedBufferState",
+    "PrioritizedFrameStackBuffer",
+    "PrioritizedFrameStackBufferState",
     "PrioritizedFrameStackReplayBuffer",
     "PrioritizedReplayBuffer",
     "PrioritizedSample",
@@ -49,5 +54,6 @@ __all__ = [
     "get_transition_batch",
     "make_frame_stack_buffer",
     "make_prioritized_buffer",
+    "make_prioritized_frame_stack_buffer",
     "make_uniform_buffer",
 ]

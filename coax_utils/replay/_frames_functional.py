@@ -1,4 +1,9 @@
-"""A jittable replay buffer for frame-stacked observations that stores each frame once."""
+"""Jittable replay buffers for frame-stacked observations that store each frame once.
+
+The frame ring (:class:`_FrameRing`) is shared: the uniform buffer composes it with
+:func:`make_uniform_buffer`, the prioritized one with :func:`make_prioritized_buffer`, whose
+state holds the transitions with ``S`` and ``S_next`` replaced by int32 frame ids.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +15,176 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coax_utils._checks import check_int, checked_indices
 from coax_utils._dataclass import pytree_dataclass
-from coax_utils.replay._functional import UniformBufferState, make_uniform_buffer
+from coax_utils.replay._functional import (
+    PrioritizedBufferState,
+    PrioritizedSample,
+    UniformBufferState,
+    make_prioritized_buffer,
+    make_uniform_buffer,
+)
 from coax_utils.replay._transition import TransitionBatch
+from coax_utils.utils import sum_tree_set, sum_tree_total
 
-__all__ = ["FrameStackBuffer", "FrameStackBufferState", "make_frame_stack_buffer"]
+__all__ = [
+    "FrameStackBuffer",
+    "FrameStackBufferState",
+    "PrioritizedFrameStackBuffer",
+    "PrioritizedFrameStackBufferState",
+    "make_frame_stack_buffer",
+    "make_prioritized_frame_stack_buffer",
+]
 
 _REJECTION_ROUNDS = 32
+_PRUNE_CHUNK = 64  # transitions checked per round for lost frames (prioritized add)
+
+
+# -- the frame ring shared by both buffers ----------------------------------------------------
+
+
+def _multipliers(n: int) -> np.ndarray:
+    return np.random.default_rng(0x5EED).integers(1, 2**32, size=(2, n), dtype=np.uint32) | 1
+
+
+def _fingerprints(frames: jax.Array) -> jax.Array:
+    """Two 32-bit linear hashes of the bytes of each frame: ``(n, 2)`` uint32."""
+    n = frames.shape[0]
+    raw = jax.lax.bitcast_convert_type(frames, jnp.uint8).reshape(n, -1)
+    pad = -raw.shape[1] % 4
+    raw = jnp.pad(raw, ((0, 0), (0, pad)))
+    words = jax.lax.bitcast_convert_type(raw.reshape(n, -1, 4), jnp.uint32)
+    mult = jnp.asarray(_multipliers(words.shape[1]))
+    return jnp.stack([(words * m).sum(axis=1, dtype=jnp.uint32) for m in mult], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrameRing:
+    """Frame storage of the jittable frame-stacked buffers (configuration; pure methods).
+
+    Frame ``i`` lives at row ``i % capacity`` of ``frames``; a transition refers to its
+    frames by id, and lost one when its smallest id is below ``frame_count - capacity``.
+    New frames equal to one of the ``window`` newest (``window <= capacity - 2 * k``, so a
+    matched frame outlives the add that references it) are found by fingerprint in a
+    direct-mapped table and confirmed byte for byte.
+    """
+
+    k: int
+    capacity: int
+    window: int
+    bits: int
+
+    @classmethod
+    def make(cls, capacity: int, stack_size: Any, frame_capacity: Any, window: Any) -> _FrameRing:
+        """Check the arguments of a factory (``capacity`` checked already)."""
+        k = check_int(stack_size, "stack_size", low=1)
+        if frame_capacity is None:
+            frame_capacity = capacity + capacity // 64 + 2 * k
+        F = check_int(frame_capacity, "frame_capacity", low=2 * k, high=2**31 - 1)
+        window = check_int(window, "window", low=0)
+        # a table of 8 entries per frame of the requested window, at least 8192: frames that
+        # share an entry evict each other and are stored again while both are in use
+        bits = max(13, int(8 * window - 1).bit_length())
+        return cls(k=k, capacity=F, window=min(window, F - 2 * k), bits=bits)
+
+    def check(self, batch: Any, frames: Any, batched: bool) -> None:
+        """Trace-time checks of the stacks of ``batch`` (against ``frames`` if given)."""
+        k = self.k
+        if not isinstance(batch, TransitionBatch):
+            raise TypeError(f"transitions must be a TransitionBatch, got {type(batch).__name__}")
+        for name in ("S", "S_next"):
+            x = getattr(batch, name)
+            shape = jnp.shape(x)[1:] if batched else jnp.shape(x)
+            if not shape or shape[0] != k:
+                raise ValueError(f"{name} must stack stack_size={k} frames, got shape {shape}")
+            if frames is not None and (
+                shape[1:] != frames.shape[1:] or jnp.result_type(x) != frames.dtype
+            ):
+                raise ValueError(
+                    f"the frames of {name} are {jnp.result_type(x)}{list(shape[1:])}; the "
+                    f"buffer holds {frames.dtype}{list(frames.shape[1:])}"
+                )
+
+    def init(self, example: TransitionBatch) -> tuple[TransitionBatch, dict[str, jax.Array]]:
+        """The example with frame ids for stacks, and the initial frame fields of a state."""
+        self.check(example, None, batched=False)
+        S = jnp.asarray(example.S)
+        ids = jnp.zeros((self.k,), jnp.int32)
+        table = 1 << self.bits
+        return example.replace(S=ids, S_next=ids, idx=None), dict(
+            frames=jnp.zeros((self.capacity,) + S.shape[1:], S.dtype),
+            frame_count=jnp.zeros([], jnp.int32),
+            table_hash=jnp.zeros((table, 2), jnp.uint32),
+            table_id=jnp.full((table,), -1, jnp.int32),
+        )
+
+    def store(self, state: Any, batch: TransitionBatch) -> tuple[TransitionBatch, dict]:
+        """Store the new frames of ``batch``: the batch with frame ids and the frame fields."""
+        self.check(batch, state.frames, batched=True)
+        k, F, window, bits = self.k, self.capacity, self.window, self.bits
+        n = jnp.shape(batch.S)[0]
+        x = jnp.concatenate([jnp.asarray(batch.S), jnp.asarray(batch.S_next)], axis=1)
+        x = x.reshape((2 * n * k,) + state.frames.shape[1:])
+
+        def one(carry: tuple, item: tuple) -> tuple:
+            frames, count, th, tid = carry
+            frame, h = item
+            # the high bits of a multiplicative mix: the low bits of a linear hash are weak
+            mixed = (h[0] ^ (h[1] * jnp.uint32(0x85EBCA6B))) * jnp.uint32(0x9E3779B1)
+            slot = (mixed >> (32 - bits)).astype(jnp.int32)
+            cand = tid[slot]
+            hit = (cand >= 0) & (cand >= count - window) & jnp.all(th[slot] == h)
+            hit &= jnp.array_equal(frames[cand % F], frame)
+            row = count % F
+            frames = frames.at[row].set(jnp.where(hit, frames[row], frame))
+            fid = jnp.where(hit, cand, count)
+            th = th.at[slot].set(jnp.where(hit, th[slot], h))
+            tid = tid.at[slot].set(fid)
+            return (frames, count + 1 - hit.astype(jnp.int32), th, tid), fid
+
+        carry = (state.frames, state.frame_count, state.table_hash, state.table_id)
+        (frames, count, th, tid), ids = jax.lax.scan(one, carry, (x, _fingerprints(x)))
+        ids = ids.reshape(n, 2, k)
+        refs = batch.replace(S=ids[:, 0], S_next=ids[:, 1], idx=None)
+        return refs, dict(frames=frames, frame_count=count, table_hash=th, table_id=tid)
+
+    def lost(self, items: TransitionBatch, frame_count: jax.Array, slots: Any = None) -> jax.Array:
+        """Whether transitions lost a frame: ``items`` (frame ids, leading batch axis), or
+        those stored in ``slots`` of ``items``."""
+        S, S_next = items.S, items.S_next
+        if slots is not None:
+            S, S_next = S[slots], S_next[slots]
+        return jnp.minimum(S.min(axis=-1), S_next.min(axis=-1)) < frame_count - self.capacity
+
+    def rebuild(self, frames: jax.Array, items: TransitionBatch) -> TransitionBatch:
+        """``items`` with the frame ids of ``S`` and ``S_next`` replaced by their frames.
+
+        One gather per field, each written straight into its output (slicing one gather of
+        both into two outputs costs a copy of every stack), without bounds handling (rows
+        ``id % capacity`` are in bounds).
+        """
+
+        def stacks(ids: jax.Array) -> jax.Array:
+            rows = frames.at[(ids % self.capacity).reshape(-1)].get(mode="promise_in_bounds")
+            return rows.reshape(ids.shape + frames.shape[1:])
+
+        return items.replace(S=stacks(items.S), S_next=stacks(items.S_next))
+
+
+def _select(mask: jax.Array, new: Any, old: Any) -> Any:
+    """Rows of ``new`` where ``mask`` (one bool per row of ``old``), else of ``old``."""
+
+    def one(a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.where(mask.reshape(mask.shape + (1,) * (jnp.ndim(b) - 1)), a, b)
+
+    return jax.tree_util.tree_map(one, new, old)
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    return check_int(batch_size, "batch_size", low=1)
+
+
+# -- uniform --------------------------------------------------------------------------------
 
 
 @pytree_dataclass
@@ -58,29 +226,6 @@ class FrameStackBuffer:
     frame_capacity: int
 
 
-def _check_int(value: Any, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
-
-
-def _multipliers(n: int) -> np.ndarray:
-    return np.random.default_rng(0x5EED).integers(1, 2**32, size=(2, n), dtype=np.uint32) | 1
-
-
-def _fingerprints(frames: jax.Array) -> jax.Array:
-    """Two 32-bit linear hashes of the bytes of each frame: ``(n, 2)`` uint32."""
-    n = frames.shape[0]
-    raw = jax.lax.bitcast_convert_type(frames, jnp.uint8).reshape(n, -1)
-    pad = -raw.shape[1] % 4
-    raw = jnp.pad(raw, ((0, 0), (0, pad)))
-    words = jax.lax.bitcast_convert_type(raw.reshape(n, -1, 4), jnp.uint32)
-    mult = jnp.asarray(_multipliers(words.shape[1]))
-    return jnp.stack([(words * m).sum(axis=1, dtype=jnp.uint32) for m in mult], axis=1)
-
-
 def make_frame_stack_buffer(
     capacity: int, stack_size: int, frame_capacity: int | None = None, window: int = 1024
 ) -> FrameStackBuffer:
@@ -105,7 +250,8 @@ def make_frame_stack_buffer(
         The number of frames stored (default ``capacity + capacity // 64 + 2 * stack_size``),
         at least ``2 * stack_size``.
     window : int, optional
-        How many of the newest frames new frames are matched against.
+        How many of the newest frames new frames are matched against (at most
+        ``frame_capacity - 2 * stack_size`` are, so that a matched frame outlives the add).
 
     Returns
     -------
@@ -121,111 +267,43 @@ def make_frame_stack_buffer(
         For a bad argument here, and at trace time for transitions whose frames differ in
         shape or dtype from the buffer's.
     """
-    capacity = _check_int(capacity, "capacity", 1)
-    k = _check_int(stack_size, "stack_size", 1)
-    if frame_capacity is None:
-        frame_capacity = capacity + capacity // 64 + 2 * k
-    F = _check_int(frame_capacity, "frame_capacity", 2 * k)
-    window = _check_int(window, "window", 0)
-    bits = max(1, int(8 * max(window, 1) - 1).bit_length())  # few collisions
-    table = 1 << bits
     inner = make_uniform_buffer(capacity)
-
-    def check(batch: Any, frames: Any, batched: bool) -> None:
-        if not isinstance(batch, TransitionBatch):
-            raise TypeError(f"transitions must be a TransitionBatch, got {type(batch).__name__}")
-        for name in ("S", "S_next"):
-            x = getattr(batch, name)
-            shape = jnp.shape(x)[1:] if batched else jnp.shape(x)
-            if not shape or shape[0] != k:
-                raise ValueError(f"{name} must stack stack_size={k} frames, got shape {shape}")
-            if frames is not None and (
-                shape[1:] != frames.shape[1:] or jnp.result_type(x) != frames.dtype
-            ):
-                raise ValueError(
-                    f"the frames of {name} are {jnp.result_type(x)}{list(shape[1:])}; the "
-                    f"buffer holds {frames.dtype}{list(frames.shape[1:])}"
-                )
+    capacity = inner.capacity
+    ring = _FrameRing.make(capacity, stack_size, frame_capacity, window)
 
     def init(example: TransitionBatch) -> FrameStackBufferState:
-        check(example, None, batched=False)
-        S = jnp.asarray(example.S)
-        ids = jnp.zeros((k,), jnp.int32)
-        return FrameStackBufferState(
-            transitions=inner.init(example.replace(S=ids, S_next=ids, idx=None)),
-            frames=jnp.zeros((F,) + S.shape[1:], S.dtype),
-            frame_count=jnp.zeros([], jnp.int32),
-            table_hash=jnp.zeros((table, 2), jnp.uint32),
-            table_id=jnp.full((table,), -1, jnp.int32),
-        )
+        refs, fields = ring.init(example)
+        return FrameStackBufferState(transitions=inner.init(refs), **fields)
 
     def add(state: FrameStackBufferState, batch: TransitionBatch) -> FrameStackBufferState:
-        check(batch, state.frames, batched=True)
-        n = jnp.shape(batch.S)[0]
-        x = jnp.concatenate([jnp.asarray(batch.S), jnp.asarray(batch.S_next)], axis=1)
-        x = x.reshape((2 * n * k,) + state.frames.shape[1:])
-
-        def one(carry: tuple, item: tuple) -> tuple:
-            frames, count, th, tid = carry
-            frame, h = item
-            # the high bits of a multiplicative mix: the low bits of a linear hash are weak
-            mixed = (h[0] ^ (h[1] * jnp.uint32(0x85EBCA6B))) * jnp.uint32(0x9E3779B1)
-            slot = (mixed >> (32 - bits)).astype(jnp.int32)
-            cand = tid[slot]
-            hit = (cand >= 0) & (cand >= count - window) & jnp.all(th[slot] == h)
-            hit &= jnp.array_equal(frames[cand % F], frame)
-            row = count % F
-            frames = frames.at[row].set(jnp.where(hit, frames[row], frame))
-            fid = jnp.where(hit, cand, count)
-            th = th.at[slot].set(jnp.where(hit, th[slot], h))
-            tid = tid.at[slot].set(fid)
-            return (frames, count + 1 - hit.astype(jnp.int32), th, tid), fid
-
-        carry = (state.frames, state.frame_count, state.table_hash, state.table_id)
-        (frames, count, th, tid), ids = jax.lax.scan(one, carry, (x, _fingerprints(x)))
-        ids = ids.reshape(n, 2, k)
-        refs = batch.replace(S=ids[:, 0], S_next=ids[:, 1], idx=None)
-        return FrameStackBufferState(
-            transitions=inner.add(state.transitions, refs),
-            frames=frames,
-            frame_count=count,
-            table_hash=th,
-            table_id=tid,
-        )
+        refs, fields = ring.store(state, batch)
+        return FrameStackBufferState(transitions=inner.add(state.transitions, refs), **fields)
 
     def sample(state: FrameStackBufferState, key: jax.Array, batch_size: int) -> TransitionBatch:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-            raise TypeError(f"batch_size must be a static positive int, got {batch_size!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        batch_size = _check_batch_size(batch_size)
         stored = state.transitions
-        s_ids, next_ids = stored.items.S, stored.items.S_next
-        floor = state.frame_count - F
 
-        def dead(slots: jax.Array) -> jax.Array:
-            oldest = jnp.minimum(s_ids[slots].min(axis=1), next_ids[slots].min(axis=1))
-            return oldest < floor
+        def draw(key: jax.Array) -> Any:
+            slots = jax.random.randint(key, (batch_size,), 0, stored.size)
+            return jax.tree_util.tree_map(lambda s: s[slots], stored.items)
 
         def redraw(carry: tuple) -> tuple:
-            i, key, slots = carry
+            i, key, items, lost = carry
             key, sub = jax.random.split(key)
-            new = jax.random.randint(sub, (batch_size,), 0, stored.size)
-            return i + 1, key, jnp.where(dead(slots), new, slots)
+            items = _select(lost, draw(sub), items)
+            return i + 1, key, items, ring.lost(items, state.frame_count)
 
         def again(carry: tuple) -> jax.Array:
-            i, _, slots = carry
-            return (i < _REJECTION_ROUNDS) & jnp.any(dead(slots))
+            i, _, _, lost = carry
+            return (i < _REJECTION_ROUNDS) & jnp.any(lost)
 
         key, sub = jax.random.split(key)
-        slots = jax.random.randint(sub, (batch_size,), 0, stored.size)
-        _, _, slots = jax.lax.while_loop(again, redraw, (0, key, slots))
-        newest = (stored.pos - 1) % capacity
-        slots = jnp.where(dead(slots), newest, slots)
-        items = jax.tree_util.tree_map(lambda s: s[slots], stored.items)
-        ids = jnp.stack([items.S, items.S_next]) % F
-        stacks = jnp.take(state.frames, ids.reshape(-1), axis=0)
-        stacks = stacks.reshape((2, batch_size, k) + state.frames.shape[1:])
-        return items.replace(S=stacks[0], S_next=stacks[1])
+        items = draw(sub)  # each draw is gathered once and checked from its own frame ids
+        carry = (0, key, items, ring.lost(items, state.frame_count))
+        _, _, items, lost = jax.lax.while_loop(again, redraw, carry)
+        newest = jax.tree_util.tree_map(lambda s: s[(stored.pos - 1) % capacity], stored.items)
+        items = _select(lost, newest, items)
+        return ring.rebuild(state.frames, items)
 
     def can_sample(state: FrameStackBufferState, batch_size: int) -> jax.Array:
         return inner.can_sample(state.transitions, batch_size)
@@ -236,6 +314,217 @@ def make_frame_stack_buffer(
         sample=sample,
         can_sample=can_sample,
         capacity=capacity,
-        stack_size=k,
-        frame_capacity=F,
+        stack_size=ring.k,
+        frame_capacity=ring.capacity,
+    )
+
+
+# -- prioritized ----------------------------------------------------------------------------
+
+
+@pytree_dataclass
+class PrioritizedFrameStackBufferState(FrameStackBufferState):
+    """State of a :func:`make_prioritized_frame_stack_buffer` buffer (a pytree).
+
+    Attributes
+    ----------
+    transitions : PrioritizedBufferState
+        The transitions and their priorities, with ``S`` and ``S_next`` replaced by the int32
+        ids of their frames.
+    frames, frame_count, table_hash, table_id
+        As in :class:`FrameStackBufferState`.
+    birth : int32 Array, shape ``(capacity,)``
+        ``frame_count`` when the transition in each slot was added (its frame ids are at
+        least ``birth - window``).
+    added : int32 Array
+        The number of transitions added so far.
+    frontier : int32 Array
+        The number (in order of addition) of the oldest transition that may still hold all
+        its frames: every older one has priority 0 or was overwritten.
+    """
+
+    transitions: PrioritizedBufferState  # (a field of the base class: keeps its position)
+    birth: jax.Array
+    added: jax.Array
+    frontier: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PrioritizedFrameStackBuffer:
+    """A jittable prioritized frame-stacked replay buffer: pure functions over a
+    :class:`PrioritizedFrameStackBufferState`. Made by
+    :func:`make_prioritized_frame_stack_buffer`."""
+
+    init: Callable[[TransitionBatch], PrioritizedFrameStackBufferState]
+    add: Callable[
+        [PrioritizedFrameStackBufferState, TransitionBatch], PrioritizedFrameStackBufferState
+    ]
+    sample: Callable[..., PrioritizedSample]
+    can_sample: Callable[[PrioritizedFrameStackBufferState, int], jax.Array]
+    update: Callable[
+        [PrioritizedFrameStackBufferState, jax.Array, jax.Array], PrioritizedFrameStackBufferState
+    ]
+    capacity: int
+    stack_size: int
+    frame_capacity: int
+    alpha: float
+    beta: float
+    epsilon: float
+    tree_strategy: str
+
+
+def make_prioritized_frame_stack_buffer(
+    capacity: int,
+    stack_size: int,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    epsilon: float = 1e-4,
+    frame_capacity: int | None = None,
+    window: int = 1024,
+    tree_strategy: str = "auto",
+) -> PrioritizedFrameStackBuffer:
+    r"""Make a jittable prioritized replay buffer for frame-stacked observations.
+
+    The jittable counterpart of :class:`PrioritizedFrameStackReplayBuffer`: frames are
+    stored once and stacks rebuilt as in :func:`make_frame_stack_buffer`; priorities,
+    importance weights, ``sample``'s ``beta`` and ``update`` are those of
+    :func:`make_prioritized_buffer` (the transitions, with frame ids for stacks, live in
+    such a buffer). ``sample`` returns a :class:`PrioritizedSample` whose ``items`` is a
+    :class:`TransitionBatch` of stacks.
+
+    A transition whose frames were overwritten in the frame ring is never sampled: ``add``
+    sets its priority to 0 when its oldest frame is overwritten, and ``update`` ignores its
+    index from then on. Finding those transitions costs no scan of the buffer: frames are
+    matched only against the ``window`` newest, so a transition added when ``frame_count``
+    was :math:`c` refers to frames :math:`\ge c - \text{window}` and can lose one only once
+    ``frame_count`` exceeds :math:`c - \text{window} + \text{frame_capacity}`. ``add``
+    checks the transitions, oldest first, from the oldest one that may still hold its
+    frames up to the last one added early enough to lose any: with the default
+    ``frame_capacity`` and episodes of 64 steps or more, none, and otherwise about
+    ``window`` plus the added transitions. The importance weights are computed over the
+    transitions that can be sampled, as by :func:`make_prioritized_buffer`.
+
+    Parameters
+    ----------
+    capacity : int
+        The maximum number of transitions.
+    stack_size : int
+        The number of frames per observation.
+    alpha, beta, epsilon : float, optional
+        See :func:`make_prioritized_buffer`.
+    frame_capacity : int, optional
+        The number of frames stored, as in :func:`make_frame_stack_buffer`.
+    window : int, optional
+        How many of the newest frames new frames are matched against, as in
+        :func:`make_frame_stack_buffer`.
+    tree_strategy : {"auto", "sequential", "vectorized"}, optional
+        See :func:`make_prioritized_buffer`.
+
+    Returns
+    -------
+    buffer : PrioritizedFrameStackBuffer
+        ``init(example_transition)``, ``add(state, transition_batch)``,
+        ``sample(state, key, batch_size, beta=None)``, ``update(state, indices,
+        priorities)`` and ``can_sample(state, batch_size)`` (false while no transition with
+        all its frames is stored), all jittable (``batch_size`` static) and donation-friendly.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a bad argument here, and at trace time for transitions whose frames differ in
+        shape or dtype from the buffer's.
+    """
+    inner = make_prioritized_buffer(capacity, alpha, beta, epsilon, tree_strategy)
+    capacity, strategy = inner.capacity, inner.tree_strategy
+    ring = _FrameRing.make(capacity, stack_size, frame_capacity, window)
+    chunk = min(_PRUNE_CHUNK, capacity)
+
+    def init(example: TransitionBatch) -> PrioritizedFrameStackBufferState:
+        refs, fields = ring.init(example)
+        return PrioritizedFrameStackBufferState(
+            transitions=inner.init(refs),
+            **fields,
+            birth=jnp.zeros((capacity,), jnp.int32),
+            added=jnp.zeros([], jnp.int32),  # distinct arrays: the state may be donated
+            frontier=jnp.zeros([], jnp.int32),
+        )
+
+    def prune(state: PrioritizedFrameStackBufferState) -> PrioritizedFrameStackBufferState:
+        """Priority 0 for the transitions that lost frames; advance the frontier."""
+        stored, count, added = state.transitions, state.frame_count, state.added
+        late = count - ring.capacity + ring.window  # transitions born later hold their frames
+
+        def more(carry: tuple) -> jax.Array:
+            t, _, _, _ = carry
+            return (t < added) & (state.birth[t % capacity] <= late)
+
+        def check(carry: tuple) -> tuple:
+            t, frontier, blocked, tree = carry
+            slots = (t + jnp.arange(chunk, dtype=jnp.int32)) % capacity
+            lost = (t + jnp.arange(chunk) < added) & ring.lost(stored.items, count, slots)
+            tree = sum_tree_set(tree, jnp.where(lost, slots, -1), jnp.zeros(chunk), strategy)
+            leading = jnp.sum(jnp.cumprod(lost), dtype=jnp.int32)
+            frontier = jnp.where(blocked, frontier, t + leading)
+            return t + chunk, frontier, blocked | (leading < chunk), tree
+
+        start = jnp.maximum(state.frontier, added - stored.size)
+        carry = (start, start, jnp.asarray(False), stored.tree)
+        _, frontier, _, tree = jax.lax.while_loop(more, check, carry)
+        return state.replace(transitions=stored.replace(tree=tree), frontier=frontier)
+
+    def add(
+        state: PrioritizedFrameStackBufferState, batch: TransitionBatch
+    ) -> PrioritizedFrameStackBufferState:
+        born = state.frame_count
+        refs, fields = ring.store(state, batch)
+        n = jnp.shape(refs.S)[0]
+        slots = (state.transitions.pos + jnp.arange(n, dtype=jnp.int32)) % capacity
+        state = state.replace(
+            transitions=inner.add(state.transitions, refs),
+            birth=state.birth.at[slots].set(born, unique_indices=True),
+            added=state.added + n,
+            **fields,
+        )
+        return prune(state)
+
+    def sample(
+        state: PrioritizedFrameStackBufferState,
+        key: jax.Array,
+        batch_size: int,
+        beta: Any = None,
+    ) -> PrioritizedSample:
+        drawn = inner.sample(state.transitions, key, batch_size, beta)
+        return drawn.replace(items=ring.rebuild(state.frames, drawn.items))
+
+    def update(
+        state: PrioritizedFrameStackBufferState, indices: jax.Array, priorities: jax.Array
+    ) -> PrioritizedFrameStackBufferState:
+        indices, valid = checked_indices(indices, capacity)
+        slots = jnp.maximum(indices, 0)
+        lost = ring.lost(state.transitions.items, state.frame_count, slots)
+        indices = jnp.where(valid & ~lost, indices, -1)
+        return state.replace(transitions=inner.update(state.transitions, indices, priorities))
+
+    def can_sample(state: PrioritizedFrameStackBufferState, batch_size: int) -> jax.Array:
+        has_frames = sum_tree_total(state.transitions.tree) > 0
+        return inner.can_sample(state.transitions, batch_size) & has_frames
+
+    init.__doc__ = "Allocate the state for transitions shaped like ``example`` (no batch axis)."
+    add.__doc__ = "Add a batch of transitions with the maximum priority; return the new state."
+    sample.__doc__ = "Sample ``batch_size`` (static) transitions by priority, with IS weights."
+    update.__doc__ = "Set the priorities of the slots ``indices``; return the new state."
+    can_sample.__doc__ = "Whether ``batch_size`` transitions with all their frames are stored."
+    return PrioritizedFrameStackBuffer(
+        init=init,
+        add=add,
+        sample=sample,
+        can_sample=can_sample,
+        update=update,
+        capacity=capacity,
+        stack_size=ring.k,
+        frame_capacity=ring.capacity,
+        alpha=inner.alpha,
+        beta=inner.beta,
+        epsilon=inner.epsilon,
+        tree_strategy=strategy,
     )

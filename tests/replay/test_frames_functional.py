@@ -1,4 +1,4 @@
-"""The jittable frame-stacked buffer against the host one on the same stream."""
+"""The jittable frame-stacked buffers against the host ones on the same stream."""
 
 from __future__ import annotations
 
@@ -6,7 +6,16 @@ import jax
 import numpy as np
 import pytest
 
-from coax_utils.replay import FrameStackReplayBuffer, NStep, make_frame_stack_buffer
+from coax_utils import utils
+from coax_utils.replay import (
+    FrameStackReplayBuffer,
+    NStep,
+    PrioritizedFrameStackReplayBuffer,
+    make_frame_stack_buffer,
+    make_prioritized_buffer,
+    make_prioritized_frame_stack_buffer,
+)
+from coax_utils.utils import sum_tree_values
 from tests.replay.test_frames import K, Tee, image_cartpole, run
 
 
@@ -46,3 +55,197 @@ def test_jittable_matches_host_on_the_same_stream():
         add(state, seen[0].replace(S=seen[0].S[:, :, :5], S_next=seen[0].S_next[:, :, :5]))
     with pytest.raises(ValueError, match="stack_size"):
         make_frame_stack_buffer(10, stack_size=0)
+
+
+# -- the prioritized jittable buffer ---------------------------------------------------------
+
+
+def leaves_equal(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb))
+
+
+def lost_by_full_scan(state, F):
+    """Slots whose transition lost a frame, found by scanning every stored transition."""
+    items, size = state.transitions.items, int(state.transitions.size)
+    oldest = np.minimum(np.asarray(items.S).min(axis=1), np.asarray(items.S_next).min(axis=1))
+    return set(np.flatnonzero(oldest[:size] < int(state.frame_count) - F).tolist())
+
+
+class Numbered:
+    """Feeds the host buffer (through Tee, with its plain-buffer oracle) and the jittable
+    buffer the same stream; ``Rn`` is replaced by each transition's position in the stream."""
+
+    def __init__(self, host, buf, after_add=None):
+        self.tee, self.buf, self.after_add = Tee(host), buf, after_add
+        self.add_fn = jax.jit(buf.add, donate_argnums=0)
+        self.state, self.seen = None, []
+
+    def add(self, batch):
+        n = batch.batch_size
+        batch = batch.replace(Rn=np.arange(len(self.seen), len(self.seen) + n) * 1.0)
+        self.seen.extend(batch.to_singles())
+        self.tee.add(batch)
+        if self.state is None:
+            self.state = self.buf.init(jax.tree_util.tree_map(lambda x: x[0], batch))
+        self.state = self.add_fn(self.state, batch)
+        if self.after_add is not None:
+            self.after_add(self)
+
+
+def test_prioritized_jittable_matches_host_and_never_samples_lost_transitions():
+    F = 34
+    host = PrioritizedFrameStackReplayBuffer(
+        capacity=30, stack_size=K, frame_capacity=F, alpha=0.7, random_seed=0
+    )
+    buf = make_prioritized_frame_stack_buffer(30, stack_size=K, alpha=0.7, frame_capacity=F)
+    sample = jax.jit(buf.sample, static_argnums=2)
+    update = jax.jit(buf.update, donate_argnums=0)
+    rng = np.random.default_rng(0)
+    lost_counts = []
+
+    def check(both):
+        state = both.state
+        values = np.asarray(sum_tree_values(state.transitions.tree))
+        lost = lost_by_full_scan(state, F)
+        size = int(state.transitions.size)
+        # priority 0 exactly for the transitions that lost frames (the bounded search of add
+        # finds what a scan of the whole buffer finds)
+        assert set(np.flatnonzero(values[:size] == 0).tolist()) == lost
+        lost_counts.append(len(lost))
+        # each frame about once (a direct-mapped table may miss a repeat: stored again)
+        assert host.frame_count <= int(state.frame_count) <= host.frame_count + 4
+        host_live = {int(tr.Rn[0]): tr for tr in host}
+        drawn = sample(state, jax.random.PRNGKey(len(both.seen)), 48)
+        assert set(np.asarray(drawn.indices).tolist()).isdisjoint(lost)
+        for row in range(48):
+            t = int(drawn.items.Rn[row])
+            for name in ("S", "S_next"):  # n steps ahead for S_next
+                got = getattr(drawn.items, name)[row]
+                np.testing.assert_array_equal(got, getattr(both.seen[t], name)[0])
+                if t in host_live:
+                    np.testing.assert_array_equal(got, getattr(host_live[t], name)[0])
+        assert float(drawn.weights.max()) == 1.0 and float(drawn.weights.min()) > 0
+        priorities = rng.normal(size=48)
+        if lost:  # an update of a transition that lost frames is ignored
+            drawn_idx = np.r_[np.asarray(drawn.indices)[:-1], min(lost)]
+        else:
+            drawn_idx = np.asarray(drawn.indices)
+        both.state = update(state, drawn_idx, priorities)
+        values = np.asarray(sum_tree_values(both.state.transitions.tree))
+        assert all(values[s] == 0 for s in lost)
+
+    both = Numbered(host, buf, after_add=check)
+    run(image_cartpole(max_steps=5), both, NStep(n=2, gamma=0.9), 70)
+    assert max(lost_counts) > 0  # the ring did overwrite frames of stored transitions
+    assert len(both.seen) > 30  # and the transition ring wrapped around
+
+
+@pytest.fixture(scope="module")
+def prioritized_filled():
+    """A prioritized jittable buffer of 60 transitions that all hold their frames."""
+    host = PrioritizedFrameStackReplayBuffer(capacity=60, stack_size=K, random_seed=0)
+    buf = make_prioritized_frame_stack_buffer(60, stack_size=K, alpha=0.6, beta=0.5)
+    both = Numbered(host, buf)
+    run(image_cartpole(max_steps=10), both, NStep(n=3, gamma=0.9), 75)
+    assert int(both.state.transitions.size) == 60
+    assert not lost_by_full_scan(both.state, buf.frame_capacity)
+    return buf, both.state, both.seen
+
+
+def test_prioritized_sampling_follows_the_priorities(prioritized_filled):
+    buf, state, seen = prioritized_filled
+    delta = np.random.default_rng(1).exponential(size=60)
+    state = jax.jit(buf.update)(state, np.arange(60), delta)
+    p = (np.abs(delta) + buf.epsilon) ** buf.alpha
+    n = 30_000
+    drawn = jax.jit(buf.sample, static_argnums=2)(state, jax.random.PRNGKey(7), n)
+    counts = np.bincount(np.asarray(drawn.indices), minlength=60)
+
+    def chi2(prob):
+        return float(np.sum((counts - n * prob) ** 2 / (n * prob)))
+
+    bound = 59 + 6 * np.sqrt(2 * 59)  # 6 standard deviations above the mean of chi2(59)
+    assert chi2(p / p.sum()) < bound
+    assert chi2(np.full(60, 1 / 60)) > bound  # the test tells priorities from uniform
+    # the importance weights are the dense prioritized buffer's on the same priorities
+    dense = make_prioritized_buffer(60, alpha=0.6, beta=0.5)
+    dstate = dense.init(np.float32(0))
+    dstate = dense.update(dense.add(dstate, np.zeros(60, np.float32)), np.arange(60), delta)
+    for beta in (None, 0.9):
+        key = jax.random.PRNGKey(3)
+        ours, theirs = buf.sample(state, key, 64, beta), dense.sample(dstate, key, 64, beta)
+        np.testing.assert_array_equal(ours.indices, theirs.indices)
+        np.testing.assert_array_equal(ours.weights, theirs.weights)
+    rows = drawn.items.Rn[:100].astype(int)
+    for row, t in enumerate(np.asarray(rows)):
+        np.testing.assert_array_equal(drawn.items.S[row], seen[t].S[0])
+        np.testing.assert_array_equal(drawn.items.S_next[row], seen[t].S_next[0])
+
+
+def test_prioritized_dump_load_round_trip(prioritized_filled, tmp_path):
+    buf, state, seen = prioritized_filled
+    utils.dump(state, tmp_path / "state.lz4")
+    loaded = utils.load(tmp_path / "state.lz4", safe=True)
+    assert type(loaded) is type(state) and leaves_equal(loaded, state)
+    key = jax.random.PRNGKey(5)
+    assert leaves_equal(buf.sample(loaded, key, 16), buf.sample(state, key, 16))
+    nxt = seen[-1].replace(idx=None)
+    assert leaves_equal(buf.add(loaded, nxt), buf.add(state, nxt))
+
+
+def test_prioritized_bad_input_raises_before_any_write(prioritized_filled):
+    buf, state, seen = prioritized_filled
+    keep = jax.tree_util.tree_map(np.array, state)
+    add = jax.jit(buf.add, donate_argnums=0)
+    tr = seen[0].replace(idx=None)
+    bad = [
+        tr.replace(S=tr.S[:, :, :5], S_next=tr.S_next[:, :, :5]),  # another frame shape
+        tr.replace(S=tr.S.astype(np.float32), S_next=tr.S_next.astype(np.float32)),
+        tr.replace(S=tr.S[:, :3], S_next=tr.S_next[:, :3]),  # another stack size
+        tr.replace(A=np.zeros((1, 2))),  # the rest of the transition
+    ]
+    for batch in bad:
+        with pytest.raises(ValueError):
+            add(state, batch)
+        assert leaves_equal(state, keep)  # the donated state was not consumed
+    with pytest.raises(TypeError):
+        buf.update(state, np.array([0.5]), np.ones(1))
+    counter = []
+
+    def traced_add(state, batch):
+        counter.append(1)
+        return buf.add(state, batch)
+
+    add = jax.jit(traced_add)
+    add(add(state, tr), seen[1].replace(idx=None))
+    assert len(counter) == 1  # a second call does not retrace
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(stack_size=0),
+        dict(stack_size=2.0),
+        dict(stack_size=4, frame_capacity=7),
+        dict(stack_size=4, window=-1),
+        dict(stack_size=4, capacity=0),
+        dict(stack_size=4, capacity=1.5),
+    ],
+)
+def test_factory_checks_as_the_uniform_twin(kwargs):
+    kwargs = {"capacity": 10, **kwargs}
+    with pytest.raises((TypeError, ValueError)) as uniform:
+        make_frame_stack_buffer(**kwargs)
+    with pytest.raises(uniform.type):
+        make_prioritized_frame_stack_buffer(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(alpha=-1.0), dict(beta="x"), dict(epsilon=0.0), dict(tree_strategy="gpu")]
+)
+def test_factory_checks_as_the_dense_twin(kwargs):
+    with pytest.raises((TypeError, ValueError)) as dense:
+        make_prioritized_buffer(10, **kwargs)
+    with pytest.raises(dense.type):
+        make_prioritized_frame_stack_buffer(10, stack_size=K, **kwargs)
