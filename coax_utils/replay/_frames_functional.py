@@ -17,6 +17,7 @@ import numpy as np
 
 from coax_utils._checks import check_int, checked_indices
 from coax_utils._dataclass import pytree_dataclass
+from coax_utils._random import random_index
 from coax_utils.replay._functional import (
     PrioritizedBufferState,
     PrioritizedSample,
@@ -284,7 +285,7 @@ def make_frame_stack_buffer(
         stored = state.transitions
 
         def draw(key: jax.Array) -> Any:
-            slots = jax.random.randint(key, (batch_size,), 0, stored.size)
+            slots = random_index(key, (batch_size,), stored.size)
             return jax.tree_util.tree_map(lambda s: s[slots], stored.items)
 
         def redraw(carry: tuple) -> tuple:
