@@ -16,7 +16,7 @@ its previous batch while the next one is drawn (a training loop), and "(out=)" w
 hands its previous batch back to be overwritten. Every variant is checked for correctness
 before it is timed.
 
-Usage: ``python benchmarks/bench_replay.py [--quick] [--sections 1234]``.
+Usage: ``python benchmarks/bench_replay.py [--quick] [--only 1,2,3,4]``.
 """
 
 from __future__ import annotations
@@ -399,26 +399,25 @@ def section2(frame_cap, reps, rep_s):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few seconds smoke run")
-    parser.add_argument(
-        "--sections", default="1234", help="which sections to run, e.g. 12 (default: all)"
-    )
+    parser.add_argument("--only", default="", help="sections to run, e.g. 3,4 (default: all)")
     args = parser.parse_args()
     reps, rep_s = (3, 0.02) if args.quick else (11, 0.15)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, reps={reps}")
 
+    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4}
     small_cap = 20_000 if args.quick else 100_000
-    if "1" in args.sections:
+    if 1 in only:
         section1(small_cap, reps, rep_s)
-    if "2" in args.sections:
+    if 2 in only:
         section2(1024 if args.quick else 8192, reps, rep_s)
-    if "3" in args.sections:
+    if 3 in only:
         times = jitted_uniform(small_cap, 256, reps, rep_s)
         report(
             f"3. jitted uniform sample, B=256, N={small_cap}",
             times,
             "flashbax item buffer sample (jit)",
         )
-    if "4" in args.sections:
+    if 4 in only:
         configs = [(2**14, 32)] if args.quick else [(2**20, 32), (2**20, 256), (2**17, 1024)]
         for capacity, batch_size in configs:
             times = jitted_prioritized(capacity, batch_size, reps, rep_s)
