@@ -248,5 +248,5 @@ def test_prefetching_sampler_serves_batches_and_sends_updates(ray_cluster):
     assert np.mean(replay.sample(400).idx == favourite) > 0.5  # the updates all landed
     with pytest.raises(ValueError, match="num_in_flight"):
         PrefetchingSampler(replay, 32, num_in_flight=0)
-    with pytest.raises(TypeError, match="sample and update"):
+    with pytest.raises(TypeError, match="sample_async and update"):
         PrefetchingSampler(object(), 32)
