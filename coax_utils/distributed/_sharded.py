@@ -542,7 +542,8 @@ class ShardedReplay:
         Each shard writes ``shard-<i>.lz4`` there with :meth:`ReplayServer.save` (on the
         shard's node: on a multi-node cluster ``folder`` must be shared storage); the client
         writes ``sharded_replay.json`` (its RNG state, the shards' totals it last saw, the
-        round-robin position and the rate limiter's counters) last, atomically, so a folder with a manifest is complete.
+        round-robin position and the rate limiter's counters) last, atomically, so a folder
+        with a manifest is complete.
 
         Parameters
         ----------
@@ -635,8 +636,9 @@ class ShardedReplay:
         """Restore every shard and the client's state from a folder written by :meth:`save`.
 
         The shards' buffers (with their RNG states), the client's RNG and the shards'
-        totals it last saw (how much it asks of each shard), the round-robin position and the rate limiter's counters continue where they were saved, so the
-        samples that follow equal those the saved replay would have drawn.
+        totals it last saw (how much it asks of each shard), the round-robin position and
+        the rate limiter's counters continue where they were saved, so the samples that
+        follow equal those the saved replay would have drawn.
 
         Parameters
         ----------
