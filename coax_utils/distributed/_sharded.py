@@ -66,7 +66,6 @@ class _Shard(ReplayServer):
             ray.get(self._limiter.release_inserts.remote(n))
             raise
 
-
     def sample_share(self, count: int, permit: Any = None) -> dict[str, Any]:
         """Draw ``count`` transitions (none from an empty buffer) with the shard's totals.
 
