@@ -476,6 +476,7 @@ def bench_prefetch(steps: int, rounds: int) -> None:
         ),
         "PrefetchingSampler, 1 in flight, updates async": (replay.shards, prefetched(1)),
         "PrefetchingSampler, 2 in flight, updates async": (replay.shards, prefetched(2)),
+        "PrefetchingSampler, 4 in flight, updates async": (replay.shards, prefetched(4)),
     }
     results: dict[str, list[float]] = {name: [] for name in variants}
     for targets, run in variants.values():  # warm-up
@@ -496,7 +497,7 @@ def bench_prefetch(steps: int, rounds: int) -> None:
     for name, waits in results.items():
         ratio = statistics.median(waits) / base
         print(f"{name:52s} {fmt_time(waits):>26s}  {np.mean(waits) * 1e6:6.0f} us  {ratio:8.3f}")
-    for k in (1, 2):
+    for k in (1, 2, 4):
         waits = results[f"PrefetchingSampler, {k} in flight, updates async"]
         print(
             f"ratio learner wait with prefetch ({k} in flight) / plain sample round trip: "
