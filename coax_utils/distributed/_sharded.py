@@ -394,7 +394,9 @@ class ShardedReplay:
         shard. A shard's draws are independent and identically distributed and the counts
         are drawn independently of them, so the batch is distributed exactly as a draw from
         one buffer holding everything. In the rare case that :math:`c_s > m_s` the client
-        asks that shard for the missing draws (a second round trip). With a rate limiter,
+        asks that shard for the missing draws (a second round trip; transitions added to
+        that shard in between may be among them, as with any sample taken while writers
+        add, and the weights use the totals of the first trip). With a rate limiter,
         its permission is requested in the same round: the shards' calls depend on it and
         run once it is granted.
 
