@@ -31,7 +31,9 @@ class PrefetchingSampler:
     longer than a sample round trip divided by ``num_in_flight``, the learner does not wait
     for the shards. Requested-but-not-yet-taken batches (in flight or ready) never exceed
     ``num_in_flight``: a batch is drawn before the priority updates of at most the last
-    ``num_in_flight`` steps arrived (the usual Ape-X staleness).
+    ``num_in_flight`` steps arrived (the usual Ape-X staleness). Where round trips vary a
+    lot (shared or oversubscribed cores), 3 or 4 requests in flight hide what 2 do not (see
+    the distributed benchmarks page).
 
     :meth:`update` sends new priorities without waiting (fire and forget); their
     acknowledgements are checked on later calls, which raise a shard's error there (a dead
