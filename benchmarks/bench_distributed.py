@@ -15,19 +15,28 @@ Measured, round robin within each table, medians with min-max over the repetitio
    gymnasium loop in this process.
 3. Learner ``ray.get(server.sample.remote(64))`` latency with 0, 1 and 2 writers pushing,
    against ``buffer.sample(64)`` in this process.
-4. Scaling out (``--sharded`` runs only these): the learner's wait per step with a
-   :class:`~coax_utils.distributed.PrefetchingSampler` (2 requests in flight, a 5 ms
-   simulated training step) against the plain sample round trip, with 2 writers adding;
-   insert throughput of 2 writers into a :class:`~coax_utils.distributed.ShardedReplay`
-   of 2 shards against 1 shard; and the samples-per-insert ratio a
-   :class:`~coax_utils.distributed.RateLimiter` holds while writers and learner run at
-   different speeds.
+4. Scaling out (``--sharded`` runs only these; ``--prefetch``, ``--inserts`` and
+   ``--ratio`` one part each):
+
+   - the learner's wait per step, with 2 writers adding, of a learner that runs a jitted
+     DQN-like update (double-Q TD loss, 3-layer MLP, Adam; a few ms per step) on every
+     batch: the plain ``ReplayServer`` sample round trip (the peer), the previous
+     two-round-trip sharded sample, ``ShardedReplay.sample`` (one round trip) and a
+     :class:`~coax_utils.distributed.PrefetchingSampler` with 1 and 2 requests in flight
+     (priority updates sent without waiting);
+   - insert throughput of 2 writers into a :class:`~coax_utils.distributed.ShardedReplay`
+     of 2 shards against 1 shard, with the CPU the shard, writer and Ray processes used
+     (from ``psutil``) and how busy the machine's cores were;
+   - the samples-per-insert ratio a :class:`~coax_utils.distributed.RateLimiter` holds over
+     one run (60 s by default) whose writers and learner switch speeds half way, against
+     the band its error buffer allows.
 
 Every variant is checked: the server counts exactly the transitions the writers pushed, and
 sampled batches hold pushed transitions.
 
 Run: ``python benchmarks/bench_distributed.py`` (``--quick`` for a few-second smoke run,
-``--sharded`` for section 4 only, ``--ratio-seconds`` for the length of its ratio run).
+``--sharded`` for section 4 only, ``--ratio`` for its rate limiter run only,
+``--ratio-seconds`` for that run's length).
 """
 
 from __future__ import annotations
@@ -105,13 +114,27 @@ class Writer:
             n += self.push(target, 8, in_flight)
         return n
 
-    def paced(self, target, seconds: float, pause: float) -> int:
-        """Push one batch, then sleep ``pause`` (a slower env), for ``seconds``."""
-        n, stop = 0, time.perf_counter() + seconds
-        while time.perf_counter() < stop:
-            n += self.push(target, 1, 1)
-            time.sleep(pause)
+    def stream_until_stopped(self, target, in_flight: int = 2) -> int:
+        """Push until :meth:`stop` (needs an actor with ``max_concurrency`` >= 2)."""
+        n, self.stopped = 0, False
+        while not self.stopped:
+            n += self.push(target, 8, in_flight)
         return n
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def paced_until_stopped(self, target, pause: float) -> int:
+        """Push one batch, then sleep :attr:`pause` (a slower env; :meth:`set_pause` changes
+        it), until :meth:`stop` (needs an actor with ``max_concurrency`` >= 2)."""
+        n, self.stopped, self.pause = 0, False, pause
+        while not self.stopped:
+            n += self.push(target, 1, 1)
+            time.sleep(self.pause)
+        return n
+
+    def set_pause(self, pause: float) -> None:
+        self.pause = pause
 
 
 def uniform(params, s, rng):
@@ -316,89 +339,243 @@ def _prefilled_shards(num_shards: int, limiter=None) -> ShardedReplay:
     return replay
 
 
-def bench_prefetch(steps: int, train_seconds: float) -> None:
+def make_learner(hidden: int = 512, seed: int = 0):
+    """A DQN-like learner: one jitted double-Q TD update of a 3-layer MLP (Adam) per batch.
+
+    Returns ``step(batch) -> td_errors`` (NumPy: the call blocks until the update is done).
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    sizes = [4, hidden, hidden, hidden, 2]
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(sizes) - 1)
+    params = [
+        (jax.random.normal(k, (m, n)) / np.sqrt(m), jnp.zeros(n))
+        for k, m, n in zip(keys, sizes[:-1], sizes[1:])
+    ]
+    optimizer = optax.adam(1e-4)
+    state = {"params": params, "target": params, "opt": optimizer.init(params)}
+
+    def q(params, s):
+        for w, b in params[:-1]:
+            s = jax.nn.relu(s @ w + b)
+        w, b = params[-1]
+        return s @ w + b
+
+    def loss(params, target, S, A, Rn, In, S_next, W):
+        a_next = jnp.argmax(q(params, S_next), axis=1)
+        q_next = jnp.take_along_axis(q(target, S_next), a_next[:, None], axis=1)[:, 0]
+        q_sa = jnp.take_along_axis(q(params, S), A[:, None], axis=1)[:, 0]
+        td = Rn + In * jax.lax.stop_gradient(q_next) - q_sa
+        return jnp.mean(W * td**2), td
+
+    @jax.jit
+    def update(state, S, A, Rn, In, S_next, W):
+        grads, td = jax.grad(loss, has_aux=True)(
+            state["params"], state["target"], S, A, Rn, In, S_next, W
+        )
+        updates, opt = optimizer.update(grads, state["opt"])
+        params = optax.apply_updates(state["params"], updates)
+        target = jax.tree_util.tree_map(lambda t, p: 0.99 * t + 0.01 * p, state["target"], params)
+        return {"params": params, "target": target, "opt": opt}, td
+
+    def step(batch: TransitionBatch) -> np.ndarray:
+        new, td = update(
+            state,
+            batch.S,
+            np.asarray(batch.A, np.int32),
+            batch.Rn,
+            batch.In,
+            batch.S_next,
+            np.asarray(batch.W, np.float32),
+        )
+        state.update(new)
+        return np.asarray(td)
+
+    return step
+
+
+def time_learner(step, reps: int = 50) -> float:
+    batch = make_batch(0, SAMPLE).replace(W=np.ones(SAMPLE, np.float32))
+    step(batch)  # compile
+    tic = time.perf_counter()
+    for _ in range(reps):
+        step(batch)
+    return (time.perf_counter() - tic) / reps
+
+
+def two_round_trips(replay: ShardedReplay, batch_size: int) -> list:
+    """The previous ShardedReplay.sample's traffic: ask every shard's total, then its draws.
+
+    (Only the two round trips, without combining the replies: a lower bound of its cost.)
+    """
+    totals = ray.get([s.totals.remote() for s in replay.shards])
+    T = np.array([t["total"] for t in totals])
+    counts = np.random.default_rng().multinomial(batch_size, T / T.sum())
+    refs = [s.sample_with_priorities.remote(int(k)) for s, k in zip(replay.shards, counts) if k]
+    return ray.get(refs)
+
+
+def bench_prefetch(steps: int, rounds: int) -> None:
+    """``rounds`` times round robin, ``steps`` learner steps of each variant."""
+    step = make_learner()
+    step_seconds = time_learner(step)
     plain = ReplayServer.remote(PrioritizedReplayBuffer(CAPACITY, random_seed=0))
     for seed in range(16):
         ray.get(plain.add.remote(make_batch(seed, 256)))
     replay = _prefilled_shards(2)
-    writers = [ray.remote(Writer).remote(seed) for seed in (1, 2)]
-    seconds = steps * (train_seconds + 0.01) + 2
+    writers = [ray.remote(Writer).options(max_concurrency=2).remote(seed) for seed in (1, 2)]
 
     def with_writers(targets, run):
-        streams = [w.stream.remote(t, seconds) for w, t in zip(writers, targets)]
+        before = ray.get([t.num_added.remote() for t in targets])
+        streams = [w.stream_until_stopped.remote(t) for w, t in zip(writers, targets)]
+        while ray.get([t.num_added.remote() for t in targets]) == before:
+            time.sleep(0.01)  # wait until the writers are under way
         waits = run()
-        ray.get(streams)
+        ray.get([w.stop.remote() for w in writers])
+        assert min(ray.get(streams)) > 0
         return waits
 
-    def plain_round_trip():
-        waits = []
-        for _ in range(steps):
-            tic = time.perf_counter()
-            batch = ray.get(plain.sample.remote(SAMPLE))
-            waits.append(time.perf_counter() - tic)
-            time.sleep(train_seconds)
-        assert batch.batch_size == SAMPLE
-        return waits
-
-    def sharded_round_trip():
-        waits = []
-        for _ in range(steps):
-            tic = time.perf_counter()
-            batch = replay.sample(SAMPLE)
-            waits.append(time.perf_counter() - tic)
-            time.sleep(train_seconds)
-        assert batch.batch_size == SAMPLE
-        return waits
-
-    def prefetched():
-        waits = []
-        with PrefetchingSampler(replay, SAMPLE, num_in_flight=2) as sampler:
+    def learner_loop(sample, update=None):
+        def run():
+            waits = []
             for _ in range(steps):
                 tic = time.perf_counter()
-                batch = sampler.sample()
+                batch = sample()
                 waits.append(time.perf_counter() - tic)
-                time.sleep(train_seconds)
-                sampler.update(batch.idx, np.ones(SAMPLE))
-        return waits
+                td = step(batch)
+                assert batch.batch_size == SAMPLE and td.shape == (SAMPLE,)
+                if update is not None:
+                    update(batch.idx, td)
+            return waits
 
-    results = {
-        "plain ReplayServer: ray.get(sample.remote(64))": with_writers(
-            [plain, plain], plain_round_trip
+        return run
+
+    def prefetched(num_in_flight):
+        def run():
+            with PrefetchingSampler(replay, SAMPLE, num_in_flight=num_in_flight) as sampler:
+                return learner_loop(sampler.sample, sampler.update)()
+
+        return run
+
+    def two_trips():
+        def sample():
+            replies = two_round_trips(replay, SAMPLE)
+            return TransitionBatch.concatenate(*(r["batch"] for r in replies))
+
+        return learner_loop(sample)()
+
+    plain_name = "plain ReplayServer: ray.get(sample.remote(64))"
+    variants = {
+        plain_name: ([plain, plain], learner_loop(lambda: ray.get(plain.sample.remote(SAMPLE)))),
+        "ShardedReplay (2 shards), two round trips (before)": (replay.shards, two_trips),
+        "ShardedReplay (2 shards): sample(64), one round trip": (
+            replay.shards,
+            learner_loop(lambda: replay.sample(SAMPLE)),
         ),
-        "ShardedReplay (2 shards): sample(64)": with_writers(replay.shards, sharded_round_trip),
-        "PrefetchingSampler (2 in flight) on the shards": with_writers(replay.shards, prefetched),
+        "PrefetchingSampler, 1 in flight, updates async": (replay.shards, prefetched(1)),
+        "PrefetchingSampler, 2 in flight, updates async": (replay.shards, prefetched(2)),
+        "PrefetchingSampler, 4 in flight, updates async": (replay.shards, prefetched(4)),
     }
-    base = statistics.median(results["plain ReplayServer: ray.get(sample.remote(64))"])
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    for targets, run in variants.values():  # warm-up
+        with_writers(targets, run)
+    loads = []
+    for _ in range(rounds):  # round robin
+        for name, (targets, run) in variants.items():
+            results[name] += with_writers(targets, run)
+        loads.append(os.getloadavg()[0])
+    load = (min(loads), max(loads))
+    base = statistics.median(results[plain_name])
     print(
-        f"\nLearner wait per step, 2 writers adding, {steps} steps of "
-        f"{train_seconds * 1e3:.0f} ms simulated training (sleep)"
+        f"\nLearner wait per step, 2 writers adding, {steps} steps of a jitted DQN update "
+        f"({step_seconds * 1e3:.1f} ms per step alone), {rounds} rounds round robin, load "
+        f"average {load[0]:.1f} - {load[1]:.1f}"
     )
-    print(f"{'variant':50s} {'median (min - max)':>28s}  {'mean':>9s}  {'vs plain':>8s}")
+    print(f"{'variant':52s} {'median (min - max)':>26s}  {'mean':>9s}  {'vs plain':>8s}")
     for name, waits in results.items():
         ratio = statistics.median(waits) / base
-        print(f"{name:50s} {fmt_time(waits):>28s}  {np.mean(waits) * 1e6:6.0f} us  {ratio:8.3f}")
+        print(f"{name:52s} {fmt_time(waits):>26s}  {np.mean(waits) * 1e6:6.0f} us  {ratio:8.3f}")
+    for k in (1, 2, 4):
+        waits = results[f"PrefetchingSampler, {k} in flight, updates async"]
+        print(
+            f"ratio learner wait with prefetch ({k} in flight) / plain sample round trip: "
+            f"median {statistics.median(waits) / base:.3f}, mean "
+            f"{np.mean(waits) / np.mean(results[plain_name]):.3f} (target <= 0.10)"
+        )
     for actor in [plain, *replay.shards, *writers]:
         ray.kill(actor)
 
 
+def _cpu_by_role() -> dict[str, float]:
+    """CPU seconds used so far by the processes of this machine, grouped by role."""
+    import psutil
+
+    roles = {"shards": 0.0, "writers": 0.0, "ray services": 0.0, "driver": 0.0, "other": 0.0}
+    me = os.getpid()
+    for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+        times = proc.info["cpu_times"]
+        if times is None:
+            continue
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if proc.info["pid"] == me:
+            role = "driver"
+        elif "ray::_Shard" in cmd:
+            role = "shards"
+        elif "ray::Writer" in cmd:
+            role = "writers"
+        elif any(k in cmd for k in ("raylet", "gcs_server", "ray/_private", "ray::")):
+            role = "ray services"
+        else:
+            role = "other"
+        roles[role] += times.user + times.system
+    return roles
+
+
 def bench_shard_inserts(reps: int, seconds: float) -> None:
+    import psutil
+
     writers = [ray.remote(Writer).remote(seed) for seed in (1, 2)]
     replays = {k: _prefilled_shards(k) for k in (1, 2)}
     rates: dict[int, list[float]] = {1: [], 2: []}
+    cpu: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+    busy: dict[int, list[float]] = {1: [], 2: []}
+    loads = []
     for _ in range(reps):
         for k, replay in replays.items():
             before = replay.num_added()
+            cpu_before, machine_before = _cpu_by_role(), psutil.cpu_times()
             tic = time.perf_counter()
             refs = [w.stream.remote(replay.shards[i % k], seconds) for i, w in enumerate(writers)]
             pushed = sum(ray.get(refs))
             elapsed = time.perf_counter() - tic
+            cpu_after, machine_after = _cpu_by_role(), psutil.cpu_times()
             assert replay.num_added() - before == pushed  # nothing lost
             rates[k].append(pushed / elapsed)
-    print(f"\nInsert throughput, 2 writers (batches of {BATCH}, 2 in flight), writer i -> shard i")
+            cpu[k].append({r: (cpu_after[r] - cpu_before[r]) / elapsed for r in cpu_after})
+            idle = (machine_after.idle - machine_before.idle) / elapsed
+            busy[k].append(psutil.cpu_count() - idle)
+            loads.append(os.getloadavg()[0])
+    print(
+        f"\nInsert throughput, 2 writers (batches of {BATCH}, 2 in flight), writer i -> shard "
+        f"i mod k; load average {statistics.median(loads):.1f} (median over the runs)"
+    )
+    roles = list(cpu[1][0])
+    print(
+        f"{'':10s} {'transitions/s median (min - max)':>34s}  CPU cores busy, by process "
+        f"({', '.join(roles)}; machine)"
+    )
     for k in (1, 2):
-        print(f"{k} shard(s){'':38s} {fmt_rate(rates[k]):>32s}")
+        used = {r: statistics.median(c[r] for c in cpu[k]) for r in roles}
+        shown = ", ".join(f"{used[r]:.2f}" for r in roles)
+        print(
+            f"{k} shard(s) {fmt_rate(rates[k]):>34s}  {shown}; "
+            f"{statistics.median(busy[k]):.2f} of {psutil.cpu_count()}"
+        )
     print(
         f"ratio 2 shards / 1 shard: {statistics.median(rates[2]) / statistics.median(rates[1]):.2f}"
+        " (target 1.6; one shard's process is the ceiling only while a core is free for it)"
     )
     for actor in [*writers, *replays[1].shards, *replays[2].shards]:
         ray.kill(actor)
@@ -406,48 +583,70 @@ def bench_shard_inserts(reps: int, seconds: float) -> None:
 
 def bench_ratio(seconds: float) -> None:
     spi, min_size, error_buffer = 4.0, 1000, 4.0 * BATCH * 4 + SAMPLE * 3
+    phases = [  # (writers' pause per batch, learner's step time), each half of the run
+        ("writers slow (20 ms/batch), learner fast (1 ms/step)", 0.02, 0.001),
+        ("writers fast (no pause), learner slow (10 ms/step)", 0.0, 0.01),
+    ]
     print(
         f"\nRate limiter: samples_per_insert={spi}, min_size_to_sample={min_size}, "
-        f"error_buffer={error_buffer:.0f}; 2 writers, learner batches of {SAMPLE}"
+        f"error_buffer={error_buffer:.0f}; 2 writers, learner batches of {SAMPLE}; one run of "
+        f"{seconds:.0f} s, speeds switched half way"
     )
-    for phase, (pause, train) in {
-        "writers slow (20 ms/batch), learner fast (1 ms/step)": (0.02, 0.001),
-        "writers fast (no pause), learner slow (10 ms/step)": (0.0, 0.01),
-    }.items():
-        limiter = RateLimiter.remote(min_size, spi, error_buffer)
-        buffers = [PrioritizedReplayBuffer(CAPACITY, random_seed=i) for i in range(2)]
-        replay = ShardedReplay(buffers, rate_limiter=limiter, seed=0)
-        writers = [ray.remote(Writer).remote(seed) for seed in (1, 2)]
-        refs = [w.paced.remote(s, seconds + 5, pause) for w, s in zip(writers, replay.shards)]
-        worst, steps = 0.0, 0
-        with PrefetchingSampler(replay, SAMPLE, num_in_flight=2, timeout=30) as sampler:
-            sampler.sample()
-            stop = time.perf_counter() + seconds
+    limiter = RateLimiter.remote(min_size, spi, error_buffer)
+    buffers = [PrioritizedReplayBuffer(CAPACITY, random_seed=i) for i in range(2)]
+    replay = ShardedReplay(buffers, rate_limiter=limiter, seed=0)
+    writers = [ray.remote(Writer).options(max_concurrency=2).remote(seed) for seed in (1, 2)]
+    half = seconds / 2
+    refs = [w.paced_until_stopped.remote(s, phases[0][1]) for w, s in zip(writers, replay.shards)]
+    worst, steps, loads = 0.0, 0, []
+    with PrefetchingSampler(replay, SAMPLE, num_in_flight=2, timeout=30) as sampler:
+        sampler.sample()  # waits for min_size_to_sample
+        start = time.perf_counter()
+        for phase, (name, pause, train) in enumerate(phases):
+            ray.get([w.set_pause.remote(pause) for w in writers])
+            c0 = ray.get(limiter.counts.remote())
+            stop = start + half * (phase + 1)
             while time.perf_counter() < stop:
                 sampler.update(sampler.sample().idx, np.ones(SAMPLE))
                 time.sleep(train)
                 steps += 1
-                if steps % 20 == 0:
+                if steps % 5 == 0:
                     c = ray.get(limiter.counts.remote())
                     worst = max(worst, abs(spi * c["inserts"] - c["samples"] - spi * min_size))
-            c = ray.get(limiter.counts.remote())
-        ratio = c["samples"] / c["inserts"]
-        print(
-            f"{phase:55s} {seconds:.0f} s: {c['inserts']:7d} inserted, {c['samples']:8d} "
-            f"sampled, samples/insert {ratio:.3f} (target {spi}); largest "
-            f"|r I - S - r m| seen {worst:.0f} <= error_buffer {error_buffer:.0f}: "
-            f"{worst <= error_buffer}"
-        )
-        for actor in [*writers, *replay.shards, limiter]:
-            ray.kill(actor)
-        del refs
+            c1 = ray.get(limiter.counts.remote())
+            loads.append(os.getloadavg()[0])
+            inserted, sampled = c1["inserts"] - c0["inserts"], c1["samples"] - c0["samples"]
+            print(
+                f"  {name:55s} {inserted:7d} inserted, {sampled:8d} sampled: "
+                f"samples/insert {sampled / inserted:.3f}"
+            )
+        c = ray.get(limiter.counts.remote())
+    ray.get([w.stop.remote() for w in writers])
+    ins, smp = c["inserts"], c["samples"]
+    low = spi - (spi * min_size + error_buffer) / ins
+    high = spi - (spi * min_size - error_buffer) / ins
+    print(
+        f"  whole run: {ins} inserted, {smp} sampled, samples/insert {smp / ins:.4f} (target "
+        f"{spi}); the error buffer allows [{low:.4f}, {high:.4f}] after {ins} inserts: "
+        f"{low <= smp / ins <= high}"
+    )
+    print(
+        f"  largest |r I - S - r m| seen (every 5 learner steps) {worst:.0f} <= error_buffer "
+        f"{error_buffer:.0f}: {worst <= error_buffer}; load average {max(loads):.1f} at most"
+    )
+    for actor in [*writers, *replay.shards, limiter]:
+        ray.kill(actor)
+    del refs  # the writers were stopped, or killed while waiting for the limiter
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few-second smoke run")
     parser.add_argument("--sharded", action="store_true", help="only section 4 (scaling out)")
-    parser.add_argument("--ratio-seconds", type=float, default=30.0, help="per phase")
+    parser.add_argument("--prefetch", action="store_true", help="only the learner wait of 4")
+    parser.add_argument("--inserts", action="store_true", help="only the shard inserts of 4")
+    parser.add_argument("--ratio", action="store_true", help="only the rate limiter run of 4")
+    parser.add_argument("--ratio-seconds", type=float, default=60.0, help="rate limiter run")
     args = parser.parse_args()
     reps = 2 if args.quick else 9
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -461,11 +660,16 @@ def main() -> None:
     )
     try:
         print(f"Ray {ray.__version__}, {os.cpu_count()} CPUs, local cluster with num_cpus=2")
-        if args.sharded or args.quick:
-            bench_prefetch(steps=20 if args.quick else 300, train_seconds=0.005)
-            bench_shard_inserts(reps if args.quick else 3, seconds=0.5 if args.quick else 3.0)
-            bench_ratio(3.0 if args.quick else args.ratio_seconds)
-            if args.sharded:
+        only = {"prefetch": args.prefetch, "inserts": args.inserts, "ratio": args.ratio}
+        if any(only.values()) or args.sharded or args.quick:
+            run_all = args.sharded or args.quick or not any(only.values())
+            if run_all or only["prefetch"]:
+                bench_prefetch(steps=20 if args.quick else 100, rounds=2 if args.quick else 5)
+            if run_all or only["inserts"]:
+                bench_shard_inserts(reps if args.quick else 5, seconds=0.5 if args.quick else 3.0)
+            if run_all or only["ratio"]:
+                bench_ratio(4.0 if args.quick else args.ratio_seconds)
+            if args.sharded or any(only.values()):
                 return
         bench_writes(reps, num_batches=10 if args.quick else 100)
         bench_rollouts(reps, num_steps=100 if args.quick else 1500)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import collections
 import threading
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
-import ray
 
 from coax_utils.replay import TransitionBatch
 
@@ -24,30 +22,36 @@ def _check_count(name: str, value: Any, low: int) -> int:
 
 
 class PrefetchingSampler:
-    """Keeps ``num_in_flight`` sample requests in flight so the learner rarely waits.
+    """Keeps ``num_in_flight`` batches requested ahead so the learner rarely waits.
 
-    Each request runs ``replay.sample(batch_size, timeout)`` on a daemon thread of its own
-    (the threads spend their time in ``ray.get``, which releases the GIL). :meth:`sample` hands
-    out the oldest request's batch and starts a new request, so as long as a learner step
-    takes longer than a sample round trip divided by ``num_in_flight``, the batch is ready
-    when the learner asks. A prefetched batch was drawn before the priority updates of the
-    last ``num_in_flight`` steps arrived (the usual Ape-X staleness).
+    A background thread keeps up to ``num_in_flight`` sample requests outstanding: it sends
+    them with ``replay.sample_async`` (no waiting), collects the replies in order (its time
+    is spent in ``ray.get``, which releases the GIL) and queues the ready batches.
+    :meth:`sample` only picks up the oldest ready batch, so as long as a learner step takes
+    longer than a sample round trip divided by ``num_in_flight``, the learner does not wait
+    for the shards. Requested-but-not-yet-taken batches (in flight or ready) never exceed
+    ``num_in_flight``: a batch is drawn before the priority updates of at most the last
+    ``num_in_flight`` steps arrived (the usual Ape-X staleness). Where round trips vary a
+    lot (shared or oversubscribed cores), 3 or 4 requests in flight hide what 2 do not (see
+    the distributed benchmarks page).
 
-    :meth:`update` sends new priorities without waiting; their acknowledgements are
-    collected on later calls, which raise a shard's error (e.g. a dead shard) there. At most
-    ``max_pending_updates`` updates are unacknowledged: beyond that, the oldest is waited for.
+    :meth:`update` sends new priorities without waiting (fire and forget); their
+    acknowledgements are checked on later calls, which raise a shard's error there (a dead
+    shard raises :class:`ReplayShardError` naming it). At most ``max_pending_updates``
+    updates are unacknowledged: beyond that, the oldest is waited for (within the replay's
+    ``timeout``).
 
     Parameters
     ----------
     replay : ShardedReplay
-        The replay to sample from (anything with ``sample(batch_size, timeout)`` and
-        ``update(idx, Adv, wait=False)`` that returns Ray object refs).
+        The replay to sample from (anything with ``sample_async(batch_size, timeout)`` and
+        ``update(idx, Adv, wait=False)`` that return :class:`PendingReply`-like objects).
     batch_size : int
         Transitions per batch.
     num_in_flight : int
-        Sample requests kept in flight (>= 1).
+        Batches requested ahead (>= 1).
     timeout : float, optional
-        Passed to ``replay.sample`` (the rate limiter's wait); None: no limit.
+        Passed to ``replay.sample_async`` (the rate limiter's wait); None: no limit.
     max_pending_updates : int
         Unacknowledged :meth:`update` calls allowed (>= 1).
 
@@ -71,10 +75,10 @@ class PrefetchingSampler:
         timeout: float | None = None,
         max_pending_updates: int = 8,
     ) -> None:
-        for name in ("sample", "update"):
+        for name in ("sample_async", "update"):
             if not callable(getattr(replay, name, None)):
                 raise TypeError(
-                    f"replay must have sample and update methods (a ShardedReplay), got "
+                    f"replay must have sample_async and update methods (a ShardedReplay), got "
                     f"{type(replay).__name__}"
                 )
         self._batch_size = _check_count("batch_size", batch_size, 1)
@@ -88,24 +92,33 @@ class PrefetchingSampler:
             raise ValueError(f"timeout must be None or a float >= 0, got {timeout!r}")
         self._replay = replay
         self._timeout = timeout
-        self._requests: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._ready: collections.deque = collections.deque()  # (batch, error) pairs
         self._updates: collections.deque = collections.deque()
         self._closed = False
-        for _ in range(self._num_in_flight):
-            self._submit()
+        self._thread = threading.Thread(target=self._fetch, name="prefetch", daemon=True)
+        self._thread.start()
 
-    def _submit(self) -> None:
-        future: Future = Future()
-
-        def request() -> None:
+    def _fetch(self) -> None:
+        """The background thread: keep requests in flight, queue their batches in order."""
+        pending: collections.deque = collections.deque()
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._closed or pending or len(self._ready) < self._num_in_flight
+                )
+                if self._closed:
+                    return
+                room = self._num_in_flight - len(self._ready) - len(pending)
             try:
-                future.set_result(self._replay.sample(self._batch_size, self._timeout))
+                for _ in range(room):
+                    pending.append(self._replay.sample_async(self._batch_size, self._timeout))
+                item = (pending.popleft().result(), None)
             except BaseException as exc:  # handed to the learner by sample()
-                future.set_exception(exc)
-
-        # a daemon thread per request: one stuck on the rate limiter never blocks exit
-        threading.Thread(target=request, name="prefetch", daemon=True).start()
-        self._requests.append(future)
+                item = (None, exc)
+            with self._cond:
+                self._ready.append(item)
+                self._cond.notify_all()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -118,15 +131,22 @@ class PrefetchingSampler:
         ------
         Exception
             The replay's error for this request (e.g. :class:`TimeoutError`,
-            :class:`ReplayShardError`); the next call tries a new request.
+            :class:`ReplayShardError`) or a failed priority update's; the next call tries
+            a new request.
         RuntimeError
             After :meth:`close`.
         """
         self._check_open()
         self._collect_updates(block=False)
-        future = self._requests.popleft()
-        self._submit()
-        return future.result()
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready or not self._thread.is_alive())
+            if not self._ready:
+                raise RuntimeError("the PrefetchingSampler's background thread stopped")
+            batch, error = self._ready.popleft()
+            self._cond.notify_all()
+        if error is not None:
+            raise error
+        return batch
 
     def update(self, idx: Any, Adv: Any) -> None:
         """Send new priorities for a sampled batch without waiting for the shards.
@@ -136,26 +156,14 @@ class PrefetchingSampler:
         """
         self._check_open()
         self._collect_updates(block=False)
-        self._updates.extend(self._replay.update(idx, Adv, wait=False))
+        self._updates.append(self._replay.update(idx, Adv, wait=False))
         while len(self._updates) > self._max_pending:
-            ray.get(self._updates.popleft(), timeout=self._replay_timeout())
-
-    def _replay_timeout(self) -> float | None:
-        return getattr(self._replay, "timeout", None)
+            self._updates.popleft().result()
 
     def _collect_updates(self, block: bool) -> None:
-        if not self._updates:
-            return
-        refs = list(self._updates)
-        if block:
-            ray.get(refs, timeout=self._replay_timeout())
-            self._updates.clear()
-            return
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        if done:
-            ray.get(done)  # raises a shard's error
-            finished = set(done)
-            self._updates = collections.deque(r for r in self._updates if r not in finished)
+        """Check the acknowledged updates (all of them if ``block``); raise their errors."""
+        while self._updates and (block or self._updates[0].done()):
+            self._updates.popleft().result()
 
     def close(self) -> None:
         """Wait for the pending priority updates and stop prefetching (idempotent).
@@ -165,11 +173,11 @@ class PrefetchingSampler:
         """
         if self._closed:
             return
-        self._closed = True
-        try:
-            self._collect_updates(block=True)
-        finally:
-            self._requests.clear()
+        with self._cond:
+            self._closed = True
+            self._ready.clear()
+            self._cond.notify_all()
+        self._collect_updates(block=True)
 
     def __enter__(self) -> PrefetchingSampler:
         return self

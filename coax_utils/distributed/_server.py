@@ -229,17 +229,21 @@ class ReplayServer(RemoteClass):
             priorities) and the ``total``, ``size`` and ``num_added`` of :meth:`totals`, all
             read under one lock so they describe the distribution the batch came from.
         """
+        with self._lock:
+            return self._sample_with_priorities(batch_size)
+
+    def _sample_with_priorities(self, batch_size: int) -> dict[str, Any]:
+        """:meth:`sample_with_priorities` for a caller that holds the lock."""
         import numpy as np
 
-        with self._lock:
-            batch = self._buffer.sample(batch_size)
-            info = self._totals()
-            if self._prioritized():
-                info["priorities"] = self._buffer.priorities(batch.idx)
-                info["beta"] = float(self._buffer.beta)
-            else:
-                info["priorities"] = np.ones(batch.batch_size)
-                info["beta"] = 0.0
+        batch = self._buffer.sample(batch_size)
+        info = self._totals()
+        if self._prioritized():
+            info["priorities"] = self._buffer.priorities(batch.idx)
+            info["beta"] = float(self._buffer.beta)
+        else:
+            info["priorities"] = np.ones(batch.batch_size)
+            info["beta"] = 0.0
         info["batch"] = batch
         return info
 

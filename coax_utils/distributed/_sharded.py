@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -14,10 +15,10 @@ import ray
 from coax_utils.distributed._server import ReplayServer
 from coax_utils.replay import PrioritizedReplayBuffer, TransitionBatch
 
-__all__ = ["ReplayShardError", "ShardedReplay"]
+__all__ = ["PendingReply", "ReplayShardError", "ShardedReplay"]
 
 _MANIFEST = "sharded_replay.json"
-_MANIFEST_VERSION = 1
+_MANIFEST_VERSION = 2
 
 
 class ReplayShardError(RuntimeError):
@@ -65,6 +66,63 @@ class _Shard(ReplayServer):
             ray.get(self._limiter.release_inserts.remote(n))
             raise
 
+    def sample_share(self, count: int, permit: Any = None) -> dict[str, Any]:
+        """Draw ``count`` transitions (none from an empty buffer) with the shard's totals.
+
+        ``permit`` is the rate limiter's reply: passed as an object ref, Ray runs this call
+        only once the limiter allowed the sample. Returns :meth:`totals`, plus the keys of
+        :meth:`sample_with_priorities` when something was drawn, read under one lock.
+        """
+        with self._lock:
+            if count > 0 and len(self._buffer) > 0:
+                return self._sample_with_priorities(count)
+            return self._totals()
+
+
+class PendingReply:
+    """The replies of shards (and the rate limiter) to one call, collected on demand.
+
+    :meth:`ShardedReplay.sample_async` and :meth:`ShardedReplay.update` (``wait=False``)
+    return one: the requests are on their way, and :meth:`result` waits for them with the
+    client's time limits and raises a failed shard's error (naming it) there.
+    """
+
+    def __init__(
+        self,
+        replay: ShardedReplay,
+        refs: dict[int | None, Any],
+        finish: Callable[[dict[int | None, Any]], Any],
+        extra: dict[int | None, float | None] | None = None,
+    ) -> None:
+        self._replay = replay
+        self._refs = refs
+        self._finish = finish
+        self._extra = extra or {}
+
+    def done(self) -> bool:
+        """Whether every reply has arrived (or failed): :meth:`result` then returns at once."""
+        refs = list(self._refs.values())
+        if not refs:
+            return True
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) == len(refs)
+
+    def result(self) -> Any:
+        """Wait for the replies and return the call's result (call it once).
+
+        Raises
+        ------
+        ReplayShardError, TimeoutError
+            If a shard (or the limiter) died or did not answer in time.
+        Exception
+            A shard's or the limiter's own error (e.g. the limiter's TimeoutError).
+        """
+        replies = {
+            key: self._replay._get(ref, key, self._extra.get(key, 0.0))
+            for key, ref in self._refs.items()
+        }
+        return self._finish(replies)
+
 
 def _check_buffers(buffers: Any) -> list[Any]:
     if isinstance(buffers, (str, bytes)) or not isinstance(buffers, Sequence):
@@ -105,10 +163,11 @@ class ShardedReplay:
     - **Adds** go to one shard per call: round robin over the shards by default, or the
       shard a writer names (``shard=writer_id % num_shards``, "by writer"; a
       :class:`RolloutWorker` given ``replay.shards[i]`` does the same).
-    - **Sampling is exact.** :meth:`sample` asks every shard for the total priority
-      :math:`T_s` of what it holds, draws the number of transitions taken from each shard
-      from a multinomial with probabilities :math:`T_s / \sum_r T_r` (the client's own
-      seeded RNG), then samples within each shard with the shard's buffer. A transition of
+    - **Sampling is exact, in one round trip.** Each shard draws a little more than its
+      expected share of the batch with its own buffer and replies with its total priority
+      :math:`T_s`; the client then draws the number of transitions taken from each shard
+      from a multinomial with probabilities :math:`T_s / \sum_r T_r` (its own seeded RNG)
+      and keeps that many of each shard's draws (see :meth:`sample_async`). A transition of
       priority :math:`p_i` is thus drawn with probability :math:`p_i / \sum_r T_r`, as from
       one buffer holding everything, and the importance weights use the global size
       :math:`N = \sum_s n_s` and these global probabilities:
@@ -195,6 +254,7 @@ class ShardedReplay:
         self._insert_timeout = insert_timeout
         self._rng = np.random.default_rng(seed)
         self._rng_lock = threading.Lock()
+        self._hint: np.ndarray | None = None  # the shards' totals at the last sample
         self._next_shard = 0
 
     # -- pickling (the lock stays behind) ----------------------------------------------------
@@ -295,6 +355,9 @@ class ShardedReplay:
     def sample(self, batch_size: int = 32, timeout: float | None = None) -> TransitionBatch:
         """Sample a batch as one buffer holding all shards' transitions would.
 
+        ``sample(n, timeout)`` is ``sample_async(n, timeout).result()``: one round trip to
+        the shards (see :meth:`sample_async`).
+
         Parameters
         ----------
         batch_size : int
@@ -317,37 +380,92 @@ class ShardedReplay:
         ReplayShardError
             If a shard or the limiter died.
         """
+        return self.sample_async(batch_size, timeout).result()
+
+    def sample_async(self, batch_size: int = 32, timeout: float | None = None) -> PendingReply:
+        r"""Send the requests of a :meth:`sample` and return at once.
+
+        One round trip: every shard :math:`s` draws :math:`m_s` transitions at once, with
+        :math:`m_s` the shard's expected share of the batch under the totals it reported
+        last, :math:`B q_s`, plus a margin of :math:`3 \sqrt{B q_s (1 - q_s)} + 1` (all
+        :math:`B` before the first reply), and sends them back with its current total
+        priority and size. The client then draws the per-shard counts :math:`c_s` from a
+        multinomial over the *current* totals and keeps the first :math:`c_s` draws of each
+        shard. A shard's draws are independent and identically distributed and the counts
+        are drawn independently of them, so the batch is distributed exactly as a draw from
+        one buffer holding everything. In the rare case that :math:`c_s > m_s` the client
+        asks that shard for the missing draws (a second round trip; transitions added to
+        that shard in between may be among them, as with any sample taken while writers
+        add, and the weights use the totals of the first trip). With a rate limiter,
+        its permission is requested in the same round: the shards' calls depend on it and
+        run once it is granted.
+
+        Returns
+        -------
+        PendingReply
+            Its :meth:`~PendingReply.result` is the batch :meth:`sample` returns.
+
+        Raises
+        ------
+        TypeError, ValueError
+            For a bad ``batch_size`` or ``timeout`` (nothing is sent).
+        """
         if not _is_int(batch_size):
             raise TypeError(f"batch_size must be a positive int, got {batch_size!r}")
         if batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         timeout = _check_timeout("timeout", timeout)
+        batch_size = int(batch_size)
+        refs: dict[int | None, Any] = {}
+        permit = None
         if self.rate_limiter is not None:
-            self._get(self.rate_limiter.sample.remote(int(batch_size), timeout), None, timeout)
-        totals = self._gather({i: s.totals.remote() for i, s in enumerate(self.shards)})
-        T = np.array([totals[i]["total"] for i in range(self.num_shards)], np.float64)
+            permit = refs[None] = self.rate_limiter.sample.remote(batch_size, timeout)
+        with self._rng_lock:
+            asked = self._shares(batch_size)
+        for i, shard in enumerate(self.shards):
+            refs[i] = shard.sample_share.remote(int(asked[i]), permit)
+        return PendingReply(
+            self, refs, lambda replies: self._combine(batch_size, replies), {None: timeout}
+        )
+
+    def _shares(self, batch_size: int) -> np.ndarray:
+        """How many transitions to ask of each shard: its expected share plus a margin."""
+        if self._hint is None or not self._hint.sum() > 0:
+            return np.full(self.num_shards, batch_size)
+        q = self._hint / self._hint.sum()
+        spare = 3.0 * np.sqrt(batch_size * q * (1.0 - q)) + 1.0
+        return np.minimum(np.ceil(batch_size * q + spare), batch_size).astype(np.int64)
+
+    def _combine(self, batch_size: int, replies: dict[int | None, Any]) -> TransitionBatch:
+        """The batch an exact global draw keeps from the shards' replies."""
+        infos = [replies[i] for i in range(self.num_shards)]
+        T = np.array([info["total"] for info in infos], np.float64)
         if not T.sum() > 0:
             raise ValueError("cannot sample from an empty replay: no shard holds transitions")
         with self._rng_lock:
-            counts = self._rng.multinomial(int(batch_size), T / T.sum())
-        replies = self._gather(
-            {
-                i: self.shards[i].sample_with_priorities.remote(int(k))
-                for i, k in enumerate(counts)
-                if k > 0
-            }
-        )
-        totals.update(replies)  # the totals read together with each shard's sample
-        N = sum(totals[i]["size"] for i in range(self.num_shards))
-        T_all = sum(totals[i]["total"] for i in range(self.num_shards))
+            self._hint = T
+            counts = self._rng.multinomial(batch_size, T / T.sum())
+        N = sum(info["size"] for info in infos)
+        T_all = float(T.sum())
+        pieces = []  # (shard, reply, rows kept)
+        for i, (info, k) in enumerate(zip(infos, counts)):
+            drawn = info["batch"].batch_size if "batch" in info else 0
+            if k > 0 and drawn > 0:
+                pieces.append((i, info, min(int(k), drawn)))
+            if k > drawn:  # beyond the margin: the missing draws in a second round trip
+                more = self._get(self.shards[i].sample_share.remote(int(k - drawn)), i)
+                if "batch" not in more:
+                    raise ValueError(f"{self._name(i)} emptied while it was sampled")
+                pieces.append((i, more, int(k - drawn)))
         batches, weights, stored = [], [], []
-        for i, reply in sorted(replies.items()):
+        for i, reply, k in pieces:
             batch, p, beta = reply["batch"], reply["priorities"], reply["beta"]
+            # undo the shard's own normalisation (over all it drew), keep the first k rows
             local = np.power(reply["size"] * p / reply["total"], -beta)
-            stored.append(np.asarray(batch.W, np.float64) * local.max() / local)
-            weights.append(np.power(N * p / T_all, -beta))
-            idx = np.asarray(batch.idx, np.int64) * self.num_shards + i
-            batches.append(batch.replace(idx=idx))
+            stored.append((np.asarray(batch.W, np.float64) * local.max() / local)[:k])
+            weights.append(np.power(N * p[:k] / T_all, -beta))
+            idx = np.asarray(batch.idx[:k], np.int64) * self.num_shards + i
+            batches.append(batch[:k].replace(idx=idx))
         out = TransitionBatch.concatenate(*batches)
         w = np.concatenate(weights)
         W = np.concatenate(stored) * (w / w.max())
@@ -372,7 +490,7 @@ class ShardedReplay:
             int(s): (idx[owner == s] // self.num_shards, adv[owner == s]) for s in np.unique(owner)
         }
 
-    def update(self, idx: Any, Adv: Any, *, wait: bool = True) -> list[Any] | None:
+    def update(self, idx: Any, Adv: Any, *, wait: bool = True) -> PendingReply | None:
         """Send new priorities of sampled transitions to the shards that own them.
 
         Parameters
@@ -382,12 +500,12 @@ class ShardedReplay:
         Adv : array
             The new advantages or TD errors, one per id.
         wait : bool
-            Wait until every shard applied its part; False returns the Ray object refs
-            (one per shard involved) at once.
+            Wait until every shard applied its part; False returns a :class:`PendingReply`
+            at once (its ``result()`` raises a shard's error).
 
         Returns
         -------
-        None or list of ray.ObjectRef
+        None or PendingReply
 
         Raises
         ------
@@ -399,10 +517,8 @@ class ShardedReplay:
         """
         parts = self._route(idx, Adv)
         refs = {s: self.shards[s].update.remote(i, a) for s, (i, a) in parts.items()}
-        if not wait:
-            return list(refs.values())
-        self._gather(refs)
-        return None
+        reply = PendingReply(self, dict(refs), lambda replies: None)
+        return reply if not wait else reply.result()
 
     # -- counters ----------------------------------------------------------------------------
 
@@ -426,8 +542,9 @@ class ShardedReplay:
 
         Each shard writes ``shard-<i>.lz4`` there with :meth:`ReplayServer.save` (on the
         shard's node: on a multi-node cluster ``folder`` must be shared storage); the client
-        writes ``sharded_replay.json`` (its RNG state, the round-robin position and the rate
-        limiter's counters) last, atomically, so a folder with a manifest is complete.
+        writes ``sharded_replay.json`` (its RNG state, the shards' totals it last saw, the
+        round-robin position and the rate limiter's counters) last, atomically, so a folder
+        with a manifest is complete.
 
         Parameters
         ----------
@@ -451,12 +568,14 @@ class ShardedReplay:
             limiter = self._get(self.rate_limiter.counts.remote(), None)
         with self._rng_lock:
             rng_state = self._rng.bit_generator.state
+            hint = None if self._hint is None else self._hint.tolist()
         manifest = {
             "format": _MANIFEST_VERSION,
             "num_shards": self.num_shards,
             "next_shard": self._next_shard,
             "rng": rng_state,
             "rate_limiter": limiter,
+            "hint": hint,
         }
         tmp = os.path.join(folder, _MANIFEST + ".tmp")
         with open(tmp, "w") as f:
@@ -477,11 +596,13 @@ class ShardedReplay:
             ) from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path!r} is corrupted: {exc}") from None
-        keys = {"format", "num_shards", "next_shard", "rng", "rate_limiter"}
+        keys = {"format", "num_shards", "next_shard", "rng", "rate_limiter", "hint"}
         if not isinstance(manifest, dict) or set(manifest) != keys:
             raise ValueError(f"{path!r} is not a ShardedReplay manifest (keys {sorted(keys)})")
         if manifest["format"] != _MANIFEST_VERSION:
-            raise ValueError(f"{path!r} has format {manifest['format']!r}, expected 1")
+            raise ValueError(
+                f"{path!r} has format {manifest['format']!r}, expected {_MANIFEST_VERSION}"
+            )
         if manifest["num_shards"] != self.num_shards:
             raise ValueError(
                 f"{folder!r} holds {manifest['num_shards']!r} shards, this replay has "
@@ -489,6 +610,14 @@ class ShardedReplay:
             )
         if not _is_int(manifest["next_shard"]) or not 0 <= manifest["next_shard"] < self.num_shards:
             raise ValueError(f"{path!r}: next_shard {manifest['next_shard']!r} is out of range")
+        hint = manifest["hint"]
+        if hint is not None and not (
+            isinstance(hint, list)
+            and len(hint) == self.num_shards
+            and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in hint)
+            and all(math.isfinite(t) and t >= 0 for t in hint)
+        ):
+            raise ValueError(f"{path!r}: hint must be null or one total >= 0 per shard")
         counts = manifest["rate_limiter"]
         if counts is not None and (
             not isinstance(counts, dict) or set(counts) != {"inserts", "samples"}
@@ -507,9 +636,10 @@ class ShardedReplay:
     def restore(self, folder: str | os.PathLike) -> int:
         """Restore every shard and the client's state from a folder written by :meth:`save`.
 
-        The shards' buffers (with their RNG states), the client's RNG, the round-robin
-        position and the rate limiter's counters continue where they were saved, so the
-        samples that follow equal those the saved replay would have drawn.
+        The shards' buffers (with their RNG states), the client's RNG and the shards'
+        totals it last saw (how much it asks of each shard), the round-robin position and
+        the rate limiter's counters continue where they were saved, so the samples that
+        follow equal those the saved replay would have drawn.
 
         Parameters
         ----------
@@ -548,5 +678,7 @@ class ShardedReplay:
             self._get(ref, None)
         with self._rng_lock:
             self._rng = rng
+            hint = manifest["hint"]
+            self._hint = None if hint is None else np.array(hint, np.float64)
         self._next_shard = manifest["next_shard"]
         return int(sum(sizes.values()))

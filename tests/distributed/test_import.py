@@ -26,6 +26,7 @@ def test_import_with_ray_exports_the_actors():
 
     assert distributed.__all__ == [
         "ParameterServer",
+        "PendingReply",
         "PrefetchingSampler",
         "RateLimiter",
         "ReplayServer",

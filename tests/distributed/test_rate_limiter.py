@@ -96,3 +96,30 @@ def test_shard_adds_and_client_samples_follow_the_limiter(ray_cluster):
     with pytest.raises(TimeoutError, match="rate limiter"):
         single.add(make_batch(0, 0, 9))  # 41 - 16 > 24
     assert time.monotonic() - tic < 10
+
+
+def test_a_killed_limiter_is_named_on_the_next_sample(ray_cluster):
+    from coax_utils.distributed import PrefetchingSampler, ReplayShardError
+
+    ray = ray_cluster
+    limiter = RateLimiter.remote(min_size_to_sample=4, samples_per_insert=1.0, error_buffer=64.0)
+    replay = ShardedReplay(
+        [SimpleReplayBuffer(100, random_seed=s) for s in (1, 2)], rate_limiter=limiter, timeout=20
+    )
+    replay.add(make_batch(0, 0, 16))
+    replay.add(make_batch(0, 16, 16))
+    assert replay.sample(8, timeout=5).batch_size == 8  # the permission and the draws: one trip
+    ray.kill(limiter)
+    tic = time.monotonic()
+    while True:  # ray.kill returns before the actor is gone: poll until it is
+        try:
+            ray.get(limiter.counts.remote(), timeout=20)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() - tic < 15.0
+    with pytest.raises(ReplayShardError, match="the rate limiter died"):
+        replay.sample(8, timeout=5)
+    with PrefetchingSampler(replay, 8, timeout=5) as sampler:
+        with pytest.raises(ReplayShardError, match="the rate limiter died"):
+            sampler.sample()
+    assert time.monotonic() - tic < 30.0  # no hang

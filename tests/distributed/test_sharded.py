@@ -83,6 +83,40 @@ def test_prioritized_sampling_across_shards_equals_one_buffer(ray_cluster):
     assert replay.size() == N and replay.num_added() == N
 
 
+def test_sampling_stays_exact_when_the_totals_moved_since_the_last_sample(ray_cluster):
+    """The totals swing between samples: the shards draw too few for their new share, the
+    client asks for the rest, and the batches still follow one buffer's distribution."""
+    replay = ShardedReplay(_prioritized([1, 2]), seed=0)
+    _fill(replay, [np.ones(20), np.ones(20)])
+    first = replay.sample(2000)  # equal priorities: every one of the 40 items appears
+    idx_of = dict(zip(keys(first.S), first.idx.tolist()))
+    assert len(idx_of) == 40
+    items = sorted(idx_of)
+    idx = np.array([idx_of[k] for k in items])
+    base = np.array([0.5 + (seq % 20) / 20 for _, seq in items])
+    on_shard0 = np.array([w == 0 for w, _ in items])
+    # shard 0 holds ~83% of the total priority, then ~17%: the last totals mislead
+    configs = [np.where(on_shard0, 3.0, 0.3) * base, np.where(on_shard0, 0.3, 3.0) * base]
+    calls, size = 30, 200
+    freq = [np.zeros(40), np.zeros(40)]
+    position = {k: j for j, k in enumerate(items)}
+    for call in range(calls):
+        adv = configs[call % 2]
+        replay.update(idx, adv)
+        batch = replay.sample(size)
+        for k in keys(batch.S):
+            freq[call % 2][position[k]] += 1
+        priority = (adv + EPS) ** ALPHA
+        P = priority / priority.sum()
+        w = np.array([(40 * P[position[k]]) ** -BETA for k in keys(batch.S)])
+        np.testing.assert_allclose(batch.W, w / w.max(), rtol=1e-5)
+    for adv, f in zip(configs, freq):
+        priority = (adv + EPS) ** ALPHA
+        exact = priority / priority.sum() * f.sum()
+        assert f.sum() == calls // 2 * size
+        assert stats.chisquare(f, exact).pvalue > 1e-4
+
+
 def test_uniform_shards_of_different_sizes_sample_uniformly(ray_cluster):
     buffers = [SimpleReplayBuffer(100, random_seed=s) for s in (1, 2, 3)]
     replay = ShardedReplay(buffers, seed=0)
@@ -140,19 +174,29 @@ def test_a_killed_shard_is_named_on_the_next_call(ray_cluster):
     replay = ShardedReplay(_prioritized([1, 2]), seed=0, timeout=20.0)
     _fill(replay, [np.ones(10), np.ones(10)])
     sampler = PrefetchingSampler(replay, 8, num_in_flight=2)
-    sampler.sample()
+    batch = sampler.sample()
     ray.kill(replay.shards[1])
     tic = time.monotonic()
+    while True:  # ray.kill returns before the actor is gone: poll until it is
+        try:
+            ray.get(replay.shards[1].size.remote(), timeout=20)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() - tic < 15.0
     with pytest.raises(ReplayShardError, match="replay shard 1 of 2"):
-        for _ in range(4):  # the batches prefetched before the kill may still arrive
+        # at most num_in_flight batches were requested before the shard was gone
+        for _ in range(3):
             sampler.sample()
+    # a priority update is sent without waiting: its failure surfaces on a later call
+    assert sampler.update(batch.idx, np.ones(8)) is None
     with pytest.raises(ReplayShardError, match="replay shard 1 of 2"):
         replay.add(make_batch(1, 10, 2), shard=1)
     with pytest.raises(ReplayShardError, match="replay shard 1 of 2"):
         replay.update(np.array([1]), np.array([1.0]))
-    assert time.monotonic() - tic < 15.0  # no hang
+    assert time.monotonic() - tic < 30.0  # no hang
     assert replay.add(make_batch(0, 10, 2), shard=0) == 2  # the live shard still serves
-    sampler.close()
+    with pytest.raises(ReplayShardError, match="replay shard 1 of 2"):
+        sampler.close()  # waits for the pending updates: the one sent to the dead shard
 
 
 class _Writer:
@@ -177,8 +221,17 @@ def test_a_killed_writer_leaves_the_shards_and_other_writers_intact(ray_cluster)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(doomed_ref, timeout=30)
     assert ray.get(survivor_ref, timeout=60) == 200
-    stored = [k for s in replay.shards for tr in ray.get(s.snapshot.remote()) for k in keys(tr.S)]
-    assert len(stored) == len(set(stored)) == replay.size() == replay.num_added()
+    # the add the doomed writer had sent may still land after its death: read the contents
+    # until no add landed while they were read
+    deadline = time.monotonic() + 30.0
+    while True:
+        before = ray.get([s.num_added.remote() for s in replay.shards])
+        snapshots = ray.get([s.snapshot.remote() for s in replay.shards])
+        if ray.get([s.num_added.remote() for s in replay.shards]) == before:
+            break
+        assert time.monotonic() < deadline
+    stored = [k for snapshot in snapshots for tr in snapshot for k in keys(tr.S)]
+    assert len(stored) == len(set(stored)) == sum(before)
     assert sorted(k for k in stored if k[0] == 1) == [(1, i) for i in range(200)]
     doomed_rows = sorted(seq for w, seq in stored if w == 0)
     assert len(doomed_rows) % 5 == 0 and len(doomed_rows) >= 50  # whole batches only
@@ -245,8 +298,11 @@ def test_prefetching_sampler_serves_batches_and_sends_updates(ray_cluster):
             sampler.update(batch.idx, np.where(batch.idx == favourite, 1e4, 1e-3))
     with pytest.raises(RuntimeError, match="closed"):
         sampler.sample()
+    pending = replay.sample_async(16)  # the requests are out; the batch is collected later
+    batch = pending.result()
+    assert pending.done() and batch.batch_size == 16
     assert np.mean(replay.sample(400).idx == favourite) > 0.5  # the updates all landed
     with pytest.raises(ValueError, match="num_in_flight"):
         PrefetchingSampler(replay, 32, num_in_flight=0)
-    with pytest.raises(TypeError, match="sample and update"):
+    with pytest.raises(TypeError, match="sample_async and update"):
         PrefetchingSampler(object(), 32)
