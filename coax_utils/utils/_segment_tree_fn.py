@@ -211,16 +211,16 @@ def _set_sequential(
 ) -> jax.Array:
     """One write at a time: set the leaf, then recompute its ancestors bottom-up.
 
-    An ignored entry rewrites slot 0's leaf with its own value. Reads and writes are scalar
-    dynamic slices, which XLA's CPU backend compiles to in-place loads and stores.
+    An ignored entry writes to node 0, which the tree does not use, and node 0 is reset to
+    zero at the end. (Rewriting a leaf with its own value instead reads the tree before
+    writing it in the same step, which made XLA copy the whole tree for every entry.) Reads
+    and writes are scalar dynamic slices, which XLA's CPU backend compiles to in-place loads
+    and stores.
     """
-    n = state.num_leaves
 
     def one(nodes: jax.Array, item: tuple) -> tuple:
-        i, v, ok = item
-        node = jnp.where(ok, i, 0) + n
-        old = jax.lax.dynamic_index_in_dim(nodes, node, keepdims=False)
-        nodes = jax.lax.dynamic_update_index_in_dim(nodes, jnp.where(ok, v, old), node, 0)
+        node, v = item
+        nodes = jax.lax.dynamic_update_index_in_dim(nodes, v, node, 0)
 
         def level(_: Any, carry: tuple) -> tuple:
             nodes, node = carry
@@ -232,8 +232,9 @@ def _set_sequential(
         nodes, _ = jax.lax.fori_loop(0, state.height, level, (nodes, node))
         return nodes, None
 
-    nodes, _ = jax.lax.scan(one, state.nodes, (indices, values, valid))
-    return nodes
+    leaves = jnp.where(valid, indices + state.num_leaves, 0)
+    nodes, _ = jax.lax.scan(one, state.nodes, (leaves, values))
+    return nodes.at[0].set(0)
 
 
 def _set_vectorized(
@@ -335,9 +336,9 @@ def sum_tree_inverse_cdf(
     at every node it only enters a child with a positive sum, so ``u == 1.0`` returns the last
     non-zero slot.
 
-    Every read of the tree happens inside the descent loop (the total too), so in a jitted
-    step that samples and then updates the same (donated) tree, XLA orders all reads before
-    the in-place writes and never copies the tree.
+    Every read of the tree (the total, then a pair of children per level) feeds the
+    returned indices, so in a jitted step that samples and then updates the same (donated)
+    tree, XLA orders all reads before the in-place writes and never copies the tree.
 
     Parameters
     ----------
@@ -369,11 +370,12 @@ def sum_tree_inverse_cdf(
         indices, value = jnp.zeros(u.shape, jnp.int32), jnp.broadcast_to(nodes[1], u.shape)
         return (indices, value) if return_values else indices
 
-    def down(i: Any, carry: tuple) -> tuple:
+    children = nodes.reshape(-1, 2)  # row k: the two children of node k, read as one pair
+
+    def down(_: Any, carry: tuple) -> tuple:
         node, target, value = carry
-        left, right = nodes[2 * node], nodes[2 * node + 1]
-        # the root's children give the total: u becomes a target in the first step
-        target = jnp.where(i == 0, target * (left + right), target)
+        pair = children[node]
+        left, right = pair[..., 0], pair[..., 1]
         go_right = (right > 0) & ((target >= left) | (left <= 0))
         return (
             2 * node + go_right,
@@ -381,7 +383,7 @@ def sum_tree_inverse_cdf(
             jnp.where(go_right, right, left),
         )
 
-    start = (jnp.ones(u.shape, jnp.int32), u, jnp.zeros(u.shape, nodes.dtype))
+    start = (jnp.ones(u.shape, jnp.int32), u * nodes[1], jnp.zeros(u.shape, nodes.dtype))
     node, _, value = jax.lax.fori_loop(0, state.height, down, start)
     indices = jnp.minimum(node - state.num_leaves, state.capacity - 1).astype(jnp.int32)
     return (indices, value) if return_values else indices
