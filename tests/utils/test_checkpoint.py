@@ -117,14 +117,12 @@ def agent_state():
 
 def forge(structure, segments, pickled=b"", version=2):
     """A container holding a hand-made structure and segments (what an attacker can write)."""
-    parts = []
     data = [
         [memoryview(json.dumps(structure).encode())],
         [memoryview(pickled)],
         *[[memoryview(s)] for s in segments],
     ]
-    _ckpt_container.write_container(version, {"format": "forged"}, data, parts.append)
-    return b"".join(parts)
+    return _ckpt_container.container_bytes(version, {"format": "forged"}, data)
 
 
 def tree(root, buffers=(), pickled=()):
@@ -617,9 +615,7 @@ def wrappers(stream):
     """The pickle stream wrapped in each kind of file an attacker could hand over."""
     yield "legacy coax frame", lz4.frame.compress(stream)
     yield "pickle section", forge(tree(["p", 0], pickled=["builtins.int at x"]), [b""], stream)
-    v1 = []
-    _ckpt_container.write_container(1, {}, [[memoryview(stream)]], v1.append)
-    yield "format version 1", b"".join(v1)
+    yield "format version 1", _ckpt_container.container_bytes(1, {}, [[memoryview(stream)]])
 
 
 def test_safe_mode_never_unpickles_hostile_streams():
@@ -734,12 +730,11 @@ def test_buffers_must_lie_inside_their_segments_and_own_them():
 
 def test_json_nesting_and_number_bombs_are_value_errors():
     deep = "[" * 100_000 + "]" * 100_000
-    parts = []
-    _ckpt_container.write_container(
-        2, {}, [[memoryview(deep.encode())], [memoryview(b"")], [memoryview(b"")]], parts.append
+    data = _ckpt_container.container_bytes(
+        2, {}, [[memoryview(deep.encode())], [memoryview(b"")], [memoryview(b"")]]
     )
     with pytest.raises(ValueError, match="not valid JSON"):
-        utils.loads(b"".join(parts))
+        utils.loads(data)
     with pytest.raises(ValueError, match="not a valid coax_utils checkpoint"):
         utils.loads(forge(tree(["I", "f" * (2 << 20)]), [b""]))
 
