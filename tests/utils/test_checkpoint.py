@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import zlib
 from typing import NamedTuple
 
@@ -363,6 +364,38 @@ def test_threads_and_chunking_give_the_same_result_as_large_chunks():
         s = utils.dumps(obj)
     assert len(json.loads(s[16 : 16 + int.from_bytes(s[12:16], "little")])) > 0
     assert_tree_equal(utils.loads(s, safe=True), obj)
+
+
+def test_chunks_that_finish_out_of_order_land_where_one_thread_puts_them(tmp_path, monkeypatch):
+    obj = {
+        "noise": np.random.default_rng(0).random(3000),  # stored raw
+        "ramp": np.tile(np.arange(256, dtype=np.uint8), 200),  # compressed
+        "step": 7,
+    }
+    with small_chunks(chunk_size=1024, small=256):
+        monkeypatch.setattr(_ckpt_container, "num_threads", lambda: 1)
+        serial = utils.dumps(obj)
+        monkeypatch.setattr(_ckpt_container, "num_threads", lambda: 4)
+        compress, lock, started, finished = _ckpt_container._compress, threading.Lock(), [], []
+
+        def every_third_late(chunk):
+            with lock:
+                k = len(started)
+                started.append(k)
+            if k % 3 == 0:
+                time.sleep(0.02)  # the next chunks finish first
+            result = compress(chunk)
+            with lock:
+                finished.append(k)
+            return result
+
+        monkeypatch.setattr(_ckpt_container, "_compress", every_third_late)
+        threaded = utils.dumps(obj)
+        utils.dump(obj, tmp_path / "ckpt")
+    assert finished != sorted(finished)  # the chunks did finish out of order
+    assert threaded == serial
+    assert (tmp_path / "ckpt").read_bytes() == serial
+    assert_tree_equal(utils.loads(serial, safe=True), obj)
 
 
 # -- registered types ----------------------------------------------------------------------
