@@ -255,6 +255,37 @@ def report(title: str, times: dict, size: int, sizes: dict, peer: str) -> list[s
     return lines
 
 
+def files(obj, blobs: dict, coax, size: int, repeats: int, folder: str | None) -> list[str]:
+    """The file runs: dump (with fsync where stated) and load from a warm page cache."""
+    out = []
+    with tempfile.TemporaryDirectory(dir=folder) as d:
+        paths = {k: os.path.join(d, k.split()[0] + ".ckpt") for k in blobs}
+        paths["coax + fsync"] = os.path.join(d, "coax_fsync.ckpt")
+        paths["write + fsync"] = os.path.join(d, "bare.ckpt")
+        writers = {
+            "coax": coax.dump,
+            "coax + fsync": fsynced(coax.dump),
+            "coax_utils": utils.dump,
+            "write + fsync": write_fsync(blobs["coax_utils"]),
+            "zstd-1 (2 threads)": zstd_dump,
+        }
+        readers = {"coax": coax.load, "coax_utils": utils.load, "zstd-1 (2 threads)": zstd_load}
+        sync = getattr(os, "sync", None)
+        t = run({k: (lambda k=k: writers[k](obj, paths[k])) for k in writers}, repeats, sync)
+        disk_sizes = {k: os.path.getsize(p) for k, p in paths.items()}
+        out += report("dump (file; coax_utils fsyncs, coax does not)", t, size, disk_sizes, "coax")
+        out += report("  the same against coax + fsync", t, size, disk_sizes, "coax + fsync")[2:]
+        out += report("  the same against write + fsync", t, size, disk_sizes, "write + fsync")[
+            2:
+        ] + [""]
+        for k in writers:
+            if k != "write + fsync":
+                assert_same((readers.get(k) or utils.load)(paths[k]), obj)
+        t = run({k: (lambda k=k: readers[k](paths[k])) for k in blobs}, repeats)
+        out += report("load (file, page cache warm)", t, size, disk_sizes, "coax")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small object, few repeats")
@@ -263,6 +294,12 @@ def main() -> None:
         "--dir", default=None, help="folder for the on-disk runs (default: a temp dir)"
     )
     parser.add_argument("--memory", type=float, default=None, metavar="GB")
+    parser.add_argument(
+        "--only",
+        choices=["dumps", "loads", "files"],
+        default=None,
+        help="run one section: in-memory dumps, in-memory loads, or the file runs",
+    )
     args = parser.parse_args()
     if args.memory:
         memory(args.memory, args.dir)
@@ -292,50 +329,29 @@ def main() -> None:
     assert_same(utils.loads(blobs["coax"]), obj)  # legacy files load too
 
     out = []
-    t = run(
-        {
-            "coax": lambda: coax.dumps(obj),
-            "coax_utils": lambda: utils.dumps(obj),
-            "zstd-1 (2 threads)": lambda: zstd_dumps(obj),
-        },
-        repeats,
-    )
-    out += report("dumps (in memory)", t, size, sizes, "coax") + [""]
-    t = run(
-        {
-            "coax": lambda: coax.loads(blobs["coax"]),
-            "coax_utils": lambda: utils.loads(blobs["coax_utils"]),
-            "zstd-1 (2 threads)": lambda: zstd_loads(blobs["zstd-1 (2 threads)"]),
-        },
-        repeats,
-    )
-    out += report("loads (in memory)", t, size, sizes, "coax") + [""]
-
-    with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        paths = {k: os.path.join(d, k.split()[0] + ".ckpt") for k in blobs}
-        paths["coax + fsync"] = os.path.join(d, "coax_fsync.ckpt")
-        paths["write + fsync"] = os.path.join(d, "bare.ckpt")
-        writers = {
-            "coax": coax.dump,
-            "coax + fsync": fsynced(coax.dump),
-            "coax_utils": utils.dump,
-            "write + fsync": write_fsync(blobs["coax_utils"]),
-            "zstd-1 (2 threads)": zstd_dump,
-        }
-        readers = {"coax": coax.load, "coax_utils": utils.load, "zstd-1 (2 threads)": zstd_load}
-        sync = getattr(os, "sync", None)
-        t = run({k: (lambda k=k: writers[k](obj, paths[k])) for k in writers}, repeats, sync)
-        disk_sizes = {k: os.path.getsize(p) for k, p in paths.items()}
-        out += report("dump (file; coax_utils fsyncs, coax does not)", t, size, disk_sizes, "coax")
-        out += report("  the same against coax + fsync", t, size, disk_sizes, "coax + fsync")[2:]
-        out += report("  the same against write + fsync", t, size, disk_sizes, "write + fsync")[
-            2:
-        ] + [""]
-        for k in writers:
-            if k != "write + fsync":
-                assert_same((readers.get(k) or utils.load)(paths[k]), obj)
-        t = run({k: (lambda k=k: readers[k](paths[k])) for k in blobs}, repeats)
-        out += report("load (file, page cache warm)", t, size, disk_sizes, "coax")
+    sections = [args.only] if args.only else ["dumps", "loads", "files"]
+    if "dumps" in sections:
+        t = run(
+            {
+                "coax": lambda: coax.dumps(obj),
+                "coax_utils": lambda: utils.dumps(obj),
+                "zstd-1 (2 threads)": lambda: zstd_dumps(obj),
+            },
+            repeats,
+        )
+        out += report("dumps (in memory)", t, size, sizes, "coax") + [""]
+    if "loads" in sections:
+        t = run(
+            {
+                "coax": lambda: coax.loads(blobs["coax"]),
+                "coax_utils": lambda: utils.loads(blobs["coax_utils"]),
+                "zstd-1 (2 threads)": lambda: zstd_loads(blobs["zstd-1 (2 threads)"]),
+            },
+            repeats,
+        )
+        out += report("loads (in memory)", t, size, sizes, "coax") + [""]
+    if "files" in sections:
+        out += files(obj, blobs, coax, size, repeats, args.dir)
     print("\n".join(out))
 
 

@@ -31,6 +31,7 @@ from coax_utils.utils._ckpt_container import (
     Corrupt,
     FileSource,
     MemorySource,
+    container_bytes,
     decompress_legacy_frame,
     is_legacy_frame,
     parse,
@@ -96,9 +97,7 @@ def _segments(obj: Any) -> list[list[memoryview]]:
     return segments
 
 
-def _write(segments: list[list[memoryview]], write: Callable[[Any], None]) -> None:
-    meta = {"format": "coax_utils checkpoint", "coax_utils": __version__}
-    write_container(FORMAT_VERSION, meta, segments, write)
+_META = {"format": "coax_utils checkpoint", "coax_utils": __version__}
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -297,10 +296,7 @@ def dumps(obj: Any) -> bytes:
     >>> restored['step'], restored['w'].dtype, restored['w'].shape
     (3, dtype('float32'), (2, 3))
     """
-    segments = _segments(obj)
-    out = io.BytesIO()  # written while the threads compress the next chunks
-    _write(segments, out.write)
-    return out.getvalue()
+    return container_bytes(FORMAT_VERSION, _META, _segments(obj))
 
 
 @_with_warning(**_STRINGS)
@@ -395,7 +391,7 @@ def dump(obj: Any, filepath: str | os.PathLike) -> None:
     """
     path = as_path(filepath)
     segments = _segments(obj)  # serialization errors surface before any file is touched
-    atomic_write(path, lambda write: _write(segments, write))
+    atomic_write(path, lambda place: write_container(FORMAT_VERSION, _META, segments, place))
 
 
 @_with_warning(**_FILES)

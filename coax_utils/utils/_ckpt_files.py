@@ -79,13 +79,14 @@ def temp_name(dirname: str) -> str:
     return os.path.join(dirname, f".coax_utils-{os.getpid()}-{secrets.token_hex(6)}.tmp")
 
 
-def atomic_write(path: str, write_all: Callable[[Callable[[Any], None]], None]) -> None:
+def atomic_write(path: str, write_all: Callable[[Callable[[int, Any], None]], None]) -> None:
     """Write a file atomically: temp file in the same folder, fsync, rename, folder fsync.
 
-    ``write_all(write)`` produces the content by calling ``write(piece)`` in order. The
-    file keeps the permission bits of the file it replaces (a new file gets the default of
-    the umask); until the rename it is readable by its owner only. A failure removes the
-    temp file and leaves ``path`` as it was; temp files of killed writers are removed too.
+    ``write_all(place)`` produces the content by calling ``place(offset, piece)``, from
+    any number of threads at once, for pieces that together cover the file. The file keeps
+    the permission bits of the file it replaces (a new file gets the default of the umask);
+    until the rename it is readable by its owner only. A failure removes the temp file and
+    leaves ``path`` as it was; temp files of killed writers are removed too.
     """
     dirname = os.path.dirname(os.path.abspath(path))
     os.makedirs(dirname, exist_ok=True)
@@ -98,7 +99,7 @@ def atomic_write(path: str, write_all: Callable[[Callable[[Any], None]], None]) 
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
         try:
-            _write_fd(fd, write_all)
+            write_all(lambda offset, piece: _place(fd, offset, piece))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -111,26 +112,17 @@ def atomic_write(path: str, write_all: Callable[[Callable[[Any], None]], None]) 
     fsync_dir(dirname)
 
 
-def _write_fd(fd: int, write_all: Callable[[Callable[[Any], None]], None]) -> None:
-    advise = getattr(os, "posix_fadvise", None)
-    offset = 0
-
-    def write(piece: Any) -> None:
-        nonlocal offset, advise
-        view = memoryview(piece).cast("B")
-        done = 0
-        while done < view.nbytes:
-            done += os.write(fd, view[done:])
-        if advise is not None and view.nbytes >= 1 << 20:
-            # Start write-back of what is written, so the disk works while the next chunks
-            # are compressed; the final fsync has less left to do.
-            try:
-                advise(fd, offset, view.nbytes, os.POSIX_FADV_DONTNEED)
-            except OSError:  # a hint only
-                advise = None
-        offset += view.nbytes
-
-    write_all(write)
+def _place(fd: int, offset: int, piece: Any) -> None:
+    """Write ``piece`` at ``offset`` of the file (``os.pwrite``: safe from several threads)."""
+    view = memoryview(piece).cast("B")
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], offset + done)
+    if view.nbytes >= 1 << 20 and hasattr(os, "posix_fadvise"):
+        # Start write-back of what is written, so the disk works while the next chunks
+        # are compressed; the final fsync has less left to do.
+        with contextlib.suppress(OSError):  # a hint only
+            os.posix_fadvise(fd, offset, view.nbytes, os.POSIX_FADV_DONTNEED)
 
 
 @contextlib.contextmanager

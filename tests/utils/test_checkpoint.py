@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import zlib
 from typing import NamedTuple
 
@@ -117,14 +118,12 @@ def agent_state():
 
 def forge(structure, segments, pickled=b"", version=2):
     """A container holding a hand-made structure and segments (what an attacker can write)."""
-    parts = []
     data = [
         [memoryview(json.dumps(structure).encode())],
         [memoryview(pickled)],
         *[[memoryview(s)] for s in segments],
     ]
-    _ckpt_container.write_container(version, {"format": "forged"}, data, parts.append)
-    return b"".join(parts)
+    return _ckpt_container.container_bytes(version, {"format": "forged"}, data)
 
 
 def tree(root, buffers=(), pickled=()):
@@ -365,6 +364,38 @@ def test_threads_and_chunking_give_the_same_result_as_large_chunks():
         s = utils.dumps(obj)
     assert len(json.loads(s[16 : 16 + int.from_bytes(s[12:16], "little")])) > 0
     assert_tree_equal(utils.loads(s, safe=True), obj)
+
+
+def test_chunks_that_finish_out_of_order_land_where_one_thread_puts_them(tmp_path, monkeypatch):
+    obj = {
+        "noise": np.random.default_rng(0).random(3000),  # stored raw
+        "ramp": np.tile(np.arange(256, dtype=np.uint8), 200),  # compressed
+        "step": 7,
+    }
+    with small_chunks(chunk_size=1024, small=256):
+        monkeypatch.setattr(_ckpt_container, "num_threads", lambda: 1)
+        serial = utils.dumps(obj)
+        monkeypatch.setattr(_ckpt_container, "num_threads", lambda: 4)
+        compress, lock, started, finished = _ckpt_container._compress, threading.Lock(), [], []
+
+        def every_third_late(chunk):
+            with lock:
+                k = len(started)
+                started.append(k)
+            if k % 3 == 0:
+                time.sleep(0.02)  # the next chunks finish first
+            result = compress(chunk)
+            with lock:
+                finished.append(k)
+            return result
+
+        monkeypatch.setattr(_ckpt_container, "_compress", every_third_late)
+        threaded = utils.dumps(obj)
+        utils.dump(obj, tmp_path / "ckpt")
+    assert finished != sorted(finished)  # the chunks did finish out of order
+    assert threaded == serial
+    assert (tmp_path / "ckpt").read_bytes() == serial
+    assert_tree_equal(utils.loads(serial, safe=True), obj)
 
 
 # -- registered types ----------------------------------------------------------------------
@@ -617,9 +648,7 @@ def wrappers(stream):
     """The pickle stream wrapped in each kind of file an attacker could hand over."""
     yield "legacy coax frame", lz4.frame.compress(stream)
     yield "pickle section", forge(tree(["p", 0], pickled=["builtins.int at x"]), [b""], stream)
-    v1 = []
-    _ckpt_container.write_container(1, {}, [[memoryview(stream)]], v1.append)
-    yield "format version 1", b"".join(v1)
+    yield "format version 1", _ckpt_container.container_bytes(1, {}, [[memoryview(stream)]])
 
 
 def test_safe_mode_never_unpickles_hostile_streams():
@@ -734,12 +763,11 @@ def test_buffers_must_lie_inside_their_segments_and_own_them():
 
 def test_json_nesting_and_number_bombs_are_value_errors():
     deep = "[" * 100_000 + "]" * 100_000
-    parts = []
-    _ckpt_container.write_container(
-        2, {}, [[memoryview(deep.encode())], [memoryview(b"")], [memoryview(b"")]], parts.append
+    data = _ckpt_container.container_bytes(
+        2, {}, [[memoryview(deep.encode())], [memoryview(b"")], [memoryview(b"")]]
     )
     with pytest.raises(ValueError, match="not valid JSON"):
-        utils.loads(b"".join(parts))
+        utils.loads(data)
     with pytest.raises(ValueError, match="not a valid coax_utils checkpoint"):
         utils.loads(forge(tree(["I", "f" * (2 << 20)]), [b""]))
 
