@@ -10,10 +10,14 @@ while 16 blocks of 16 words drawn in a compiled loop took about 30 us, and 32 wo
 Up to :data:`MAX_BLOCKED` words are therefore drawn in blocks of :data:`BLOCK` under the keys
 ``fold_in(key, block)``: in a loop on a CPU, vectorised over the blocks elsewhere (the same
 words either way for threefry keys; jax's rbg words differ between backends and under
-``vmap`` in any case). Larger draws are one call.
+``vmap`` in any case). Larger draws are one call. What turns the words into numbers (a
+modulo, a conversion to float) runs inside the loop too, block by block: over a few hundred
+words XLA would hand it to several threads as well.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,28 +33,34 @@ def _block(key: jax.Array, i: jax.Array) -> jax.Array:
     return jax.random.bits(jax.random.fold_in(key, i), (BLOCK,), jnp.uint32)
 
 
-def _blocks_in_loop(key: jax.Array, blocks: int) -> jax.Array:
-    def body(i: jax.Array, words: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice(words, _block(key, i), (i * BLOCK,))
+def _blocks_in_loop(key: jax.Array, blocks: int, fn: Callable = lambda w: w) -> jax.Array:
+    def body(i: jax.Array, out: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice(out, fn(_block(key, i)), (i * BLOCK,))
 
-    return jax.lax.fori_loop(0, blocks, body, jnp.zeros((blocks * BLOCK,), jnp.uint32))
+    dtype = jax.eval_shape(fn, jax.ShapeDtypeStruct((BLOCK,), jnp.uint32)).dtype
+    return jax.lax.fori_loop(0, blocks, body, jnp.zeros((blocks * BLOCK,), dtype))
 
 
-def _blocks_vectorised(key: jax.Array, blocks: int) -> jax.Array:
-    return jax.vmap(_block, in_axes=(None, 0))(key, jnp.arange(blocks)).reshape(-1)
+def _blocks_vectorised(key: jax.Array, blocks: int, fn: Callable = lambda w: w) -> jax.Array:
+    return fn(jax.vmap(_block, in_axes=(None, 0))(key, jnp.arange(blocks)).reshape(-1))
+
+
+def _draw(key: jax.Array, n: int, fn: Callable) -> jax.Array:
+    """``fn`` (elementwise) of ``n`` random words; ``fn`` runs block by block on a CPU."""
+    if n > MAX_BLOCKED:
+        return fn(jax.random.bits(key, (n,), jnp.uint32))
+    blocks = -(-n // BLOCK)
+    out = jax.lax.platform_dependent(
+        key,
+        cpu=lambda key: _blocks_in_loop(key, blocks, fn),
+        default=lambda key: _blocks_vectorised(key, blocks, fn),
+    )
+    return out[:n]
 
 
 def random_bits(key: jax.Array, n: int) -> jax.Array:
     """``n`` random ``uint32`` words (``n`` static) from ``key``."""
-    if n > MAX_BLOCKED:
-        return jax.random.bits(key, (n,), jnp.uint32)
-    blocks = -(-n // BLOCK)
-    words = jax.lax.platform_dependent(
-        key,
-        cpu=lambda key: _blocks_in_loop(key, blocks),
-        default=lambda key: _blocks_vectorised(key, blocks),
-    )
-    return words[:n]
+    return _draw(key, n, lambda words: words)
 
 
 def random_index(key: jax.Array, shape: tuple[int, ...], span: jax.Array) -> jax.Array:
@@ -60,8 +70,8 @@ def random_index(key: jax.Array, shape: tuple[int, ...], span: jax.Array) -> jax
     ``span / 2**32``.
     """
     span = jnp.maximum(span, 1).astype(jnp.uint32)
-    words = random_bits(key, int(np.prod(shape, dtype=np.int64)))
-    return (words % span).astype(jnp.int32).reshape(shape)
+    n = int(np.prod(shape, dtype=np.int64))
+    return _draw(key, n, lambda words: (words % span).astype(jnp.int32)).reshape(shape)
 
 
 def random_uniform(key: jax.Array, n: int, dtype: jnp.dtype = jnp.float32) -> jax.Array:
@@ -73,4 +83,4 @@ def random_uniform(key: jax.Array, n: int, dtype: jnp.dtype = jnp.float32) -> ja
     dtype = jnp.dtype(dtype)
     if dtype != jnp.float32:
         return jax.random.uniform(key, (n,), dtype)
-    return (random_bits(key, n) >> 8).astype(jnp.float32) * np.float32(2.0**-24)
+    return _draw(key, n, lambda words: (words >> 8).astype(jnp.float32) * np.float32(2.0**-24))
