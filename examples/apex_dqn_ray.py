@@ -66,7 +66,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--capacity", type=int, default=50_000, help="over all shards")
     parser.add_argument("--num-shards", type=int, default=2)
     parser.add_argument("--samples-per-insert", type=float, default=8.0)
-    parser.add_argument("--prefetch", type=int, default=2, help="sample requests in flight")
+    parser.add_argument("--prefetch", type=int, default=4, help="sample requests in flight")
     parser.add_argument("--n-step", type=int, default=3)
     parser.add_argument("--gamma", type=float, default=0.99)
     parser.add_argument("--lr", type=float, default=1e-3)
