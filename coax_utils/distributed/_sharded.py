@@ -124,6 +124,16 @@ class PendingReply:
         return self._finish(replies)
 
 
+def _is_total(x: Any) -> bool:
+    """Whether ``x`` (read from a manifest) is a finite number >= 0 (JSON ints may be huge)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x) and x >= 0
+    except OverflowError:  # an int beyond any float
+        return False
+
+
 def _check_buffers(buffers: Any) -> list[Any]:
     if isinstance(buffers, (str, bytes)) or not isinstance(buffers, Sequence):
         raise TypeError(
@@ -614,10 +624,9 @@ class ShardedReplay:
         if hint is not None and not (
             isinstance(hint, list)
             and len(hint) == self.num_shards
-            and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in hint)
-            and all(math.isfinite(t) and t >= 0 for t in hint)
+            and all(_is_total(t) for t in hint)
         ):
-            raise ValueError(f"{path!r}: hint must be null or one total >= 0 per shard")
+            raise ValueError(f"{path!r}: hint must be null or one finite total >= 0 per shard")
         counts = manifest["rate_limiter"]
         if counts is not None and (
             not isinstance(counts, dict) or set(counts) != {"inserts", "samples"}
@@ -664,7 +673,7 @@ class ShardedReplay:
         rng = np.random.default_rng()
         try:
             rng.bit_generator.state = manifest["rng"]
-        except (TypeError, ValueError, KeyError) as exc:
+        except (TypeError, ValueError, KeyError, OverflowError) as exc:
             raise ValueError(f"{folder!r}: bad RNG state in the manifest: {exc}") from None
         sizes = self._gather(
             {

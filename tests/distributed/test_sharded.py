@@ -1,5 +1,7 @@
 """ShardedReplay on a real local Ray cluster: exact sampling, routing, failures, checkpoints."""
 
+import json
+import shutil
 import time
 
 import numpy as np
@@ -284,6 +286,31 @@ def test_save_and_restore_all_shards_continue_the_rng_streams(ray_cluster, tmp_p
     with pytest.raises(ValueError, match="no ShardedReplay checkpoint"):
         no_limiter.restore(tmp_path)
     assert no_limiter.size() == 0
+
+    # a manifest that lies (hand-edited JSON) is refused with a ValueError, nothing changes
+    manifest = json.loads((tmp_path / "ckpt" / "sharded_replay.json").read_text())
+    lies = [
+        ("hint", [1.0]),
+        ("hint", [1.0, -2.0]),
+        ("hint", [1.0, float("nan")]),
+        ("hint", [True, 1.0]),
+        ("hint", [10**400, 1.0]),
+        ("rng", dict(manifest["rng"], state={"state": 10**400, "inc": 1})),
+        ("rng", dict(manifest["rng"], state={"state": -1, "inc": 1})),
+    ]
+    for i, (key, value) in enumerate(lies):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(tmp_path / "ckpt", bad)
+        (bad / "sharded_replay.json").write_text(json.dumps(dict(manifest, **{key: value})))
+        fresh = ShardedReplay(
+            _prioritized([1, 2]),
+            rate_limiter=RateLimiter.remote(
+                min_size_to_sample=4, samples_per_insert=100.0, error_buffer=1e6
+            ),
+        )
+        with pytest.raises(ValueError, match={"hint": "hint", "rng": "RNG state"}[key]):
+            fresh.restore(bad)
+        assert fresh.size() == 0
 
 
 def test_prefetching_sampler_serves_batches_and_sends_updates(ray_cluster):
