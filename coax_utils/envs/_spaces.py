@@ -189,6 +189,16 @@ class Box(Space):
             ) from e
         if np.any(self.low > self.high):
             raise ValueError(f"Box needs low <= high everywhere, got low={low!r}, high={high!r}")
+        if np.issubdtype(self.dtype, np.floating):
+            tiny = jnp.finfo(self.dtype).tiny
+            for name, arr in (("low", self.low), ("high", self.high)):
+                subnormal = (arr != 0) & (np.abs(arr) < tiny)
+                if np.any(subnormal):
+                    raise ValueError(
+                        f"Box {name} holds a subnormal number ({arr[subnormal].flat[0]!r}): "
+                        "XLA flushes subnormals to zero on a CPU, so samples and contains() "
+                        "would not respect it; use 0 or a normal number"
+                    )
         self.low.setflags(write=False)
         self.high.setflags(write=False)
 

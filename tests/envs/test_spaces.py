@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from coax_utils import envs
@@ -252,6 +252,8 @@ def test_bad_construction_raises():
 )
 def test_box_samples_lie_in_the_gymnasium_box(low, width, shape, seed):
     high = np.float32(low) + np.float32(width)
+    tiny = np.finfo(np.float32).tiny
+    assume(all(b == 0 or abs(b) >= tiny for b in (np.float32(low), high)))  # refused below
     gym_box = gs.Box(low=np.float32(low), high=high, shape=tuple(shape), dtype=np.float32)
     jbox = to_jax_space(gym_box)
     x = np.asarray(jbox.sample(jax.random.key(seed)))
@@ -272,6 +274,19 @@ def test_equality_is_exact_and_static_arguments_work():
 
 
 # -- bad input is refused, never silently changed ------------------------------------------
+
+
+def test_box_with_a_subnormal_bound_is_refused():
+    # XLA flushes subnormals to zero on a CPU: a box [1e-45, 1e-45] sampled 0.0, outside it
+    tiny = np.finfo(np.float32).tiny
+    for low, high in ((1e-45, 1e-45), (0.0, tiny / 2), (-tiny / 4, 1.0)):
+        with pytest.raises(ValueError, match="subnormal"):
+            envs.Box(low, high, (), np.float32)
+        with pytest.raises(ValueError, match="subnormal"):
+            to_jax_space(gs.Box(np.float32(low), np.float32(high), (), np.float32))
+    box = envs.Box(0.0, tiny, (), np.float32)  # zero and the smallest normal number are fine
+    assert bool(box.contains(box.sample(jax.random.key(0))))
+    assert envs.Box(1e-45, 1.0, (), np.float64).low == 1e-45  # normal in float64
 
 
 def test_box_with_a_nan_bound_is_refused():
