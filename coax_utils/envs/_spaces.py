@@ -135,7 +135,8 @@ class Box(Space):
     Parameters
     ----------
     low, high : float or array
-        The bounds.
+        The bounds. Float bounds may not be subnormal numbers of ``dtype`` (ValueError):
+        XLA flushes subnormals to zero on a CPU, so a sample could fall outside them.
     shape : tuple of int, optional
         The shape; inferred from ``low``/``high`` when omitted.
     dtype : numpy dtype, optional
