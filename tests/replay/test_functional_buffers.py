@@ -280,7 +280,8 @@ def test_randomness_goes_through_jax_random_with_the_callers_key(make_key):
     pstate = pbuf.add(pbuf.init(EXAMPLE), items(range(4)))
     pstate = pbuf.update(pstate, jnp.arange(4), jnp.array([1.0, 0.0, 3.0, 0.0]))
     s = jax.jit(pbuf.sample, static_argnums=2)(pstate, key, 64)
-    u = (words >> 8) * np.float32(2.0**-24)  # the top 24 bits of the same words
+    # uniforms: the top 24 bits of the key's words, drawn in one call
+    u = (np.asarray(jax.random.bits(key, (64,), jnp.uint32)) >> 8) * np.float32(2.0**-24)
     p = np.array([1.0, 1e-4, 3.0, 1e-4]) + np.array([1e-4, 0, 1e-4, 0])
     cdf = np.cumsum(p) / p.sum()
     np.testing.assert_array_equal(np.asarray(s.indices), np.searchsorted(cdf, u, side="right"))
