@@ -59,12 +59,20 @@ class _Shard(ReplayServer):
         if self._limiter is None or not isinstance(transition_batch, TransitionBatch):
             return super().add(transition_batch, Adv)
         n = transition_batch.batch_size
-        ray.get(self._limiter.insert.remote(n, self._insert_timeout))
+        self._ask_limiter(self._limiter.insert.remote(n, self._insert_timeout))
         try:
             return super().add(transition_batch, Adv)
         except BaseException:
-            ray.get(self._limiter.release_inserts.remote(n))
+            self._ask_limiter(self._limiter.release_inserts.remote(n))
             raise
+
+    @staticmethod
+    def _ask_limiter(ref: Any) -> Any:
+        """``ray.get`` a reply of the rate limiter; ReplayShardError naming it if it died."""
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            raise ReplayShardError(f"the rate limiter died or is unreachable: {exc}") from None
 
     def sample_share(self, count: int, permit: Any = None) -> dict[str, Any]:
         """Draw ``count`` transitions (none from an empty buffer) with the shard's totals.
@@ -300,6 +308,10 @@ class ShardedReplay:
             raise TimeoutError(f"{self._name(shard)} did not answer within {timeout} s") from None
         except ray.exceptions.RayActorError as exc:
             raise ReplayShardError(f"{self._name(shard)} died or is unreachable: {exc}") from exc
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, ReplayShardError):  # a shard found the limiter dead
+                raise ReplayShardError(str(exc.cause)) from None
+            raise
 
     def _gather(self, refs: dict[int, Any]) -> dict[int, Any]:
         return {i: self._get(ref, i) for i, ref in refs.items()}

@@ -98,7 +98,7 @@ def test_shard_adds_and_client_samples_follow_the_limiter(ray_cluster):
     assert time.monotonic() - tic < 10
 
 
-def test_a_killed_limiter_is_named_on_the_next_sample(ray_cluster):
+def test_a_killed_limiter_is_named_on_the_next_sample_and_add(ray_cluster):
     from coax_utils.distributed import PrefetchingSampler, ReplayShardError
 
     ray = ray_cluster
@@ -122,4 +122,8 @@ def test_a_killed_limiter_is_named_on_the_next_sample(ray_cluster):
     with PrefetchingSampler(replay, 8, timeout=5) as sampler:
         with pytest.raises(ReplayShardError, match="the rate limiter died"):
             sampler.sample()
+    # a writer's add waits for the limiter inside the shard: the same error reaches it
+    with pytest.raises(ReplayShardError, match="^the rate limiter died"):
+        replay.add(make_batch(0, 32, 4))
     assert time.monotonic() - tic < 30.0  # no hang
+    assert ray.get(replay.shards[0].totals.remote())["size"] == 16  # the shard is alive
