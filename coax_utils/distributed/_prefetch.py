@@ -35,11 +35,12 @@ class PrefetchingSampler:
     the round trip on 2 shared cores, where round trips vary a lot: the learner waited 0.13
     of a round trip with 4 in flight, 0.58 with 2 (see the distributed benchmarks page).
 
-    :meth:`update` sends new priorities without waiting (fire and forget); their
-    acknowledgements are checked on later calls, which raise a shard's error there (a dead
+    :meth:`update` sends new priorities without waiting (fire and forget). The background
+    thread collects their acknowledgements after each batch, so :meth:`sample` makes no
+    round trip of its own; a shard's error is raised by the learner's next call (a dead
     shard raises :class:`ReplayShardError` naming it). At most ``max_pending_updates``
-    updates are unacknowledged: beyond that, the oldest is waited for (within the replay's
-    ``timeout``).
+    updates are unacknowledged: beyond that, :meth:`update` waits for the oldest (within
+    the replay's ``timeout``).
 
     Parameters
     ----------
@@ -94,7 +95,8 @@ class PrefetchingSampler:
         self._timeout = timeout
         self._cond = threading.Condition()
         self._ready: collections.deque = collections.deque()  # (batch, error) pairs
-        self._updates: collections.deque = collections.deque()
+        self._updates: collections.deque = collections.deque()  # sent, not acknowledged
+        self._errors: collections.deque = collections.deque()  # of acknowledged updates
         self._closed = False
         self._thread = threading.Thread(target=self._fetch, name="prefetch", daemon=True)
         self._thread.start()
@@ -119,6 +121,7 @@ class PrefetchingSampler:
             with self._cond:
                 self._ready.append(item)
                 self._cond.notify_all()
+            self._acknowledge()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -137,7 +140,7 @@ class PrefetchingSampler:
             After :meth:`close`.
         """
         self._check_open()
-        self._collect_updates(block=False)
+        self._raise_update_error()
         with self._cond:
             self._cond.wait_for(lambda: self._ready or not self._thread.is_alive())
             if not self._ready:
@@ -155,15 +158,43 @@ class PrefetchingSampler:
         error is raised by a following :meth:`sample`, :meth:`update` or :meth:`close`.
         """
         self._check_open()
-        self._collect_updates(block=False)
-        self._updates.append(self._replay.update(idx, Adv, wait=False))
-        while len(self._updates) > self._max_pending:
-            self._updates.popleft().result()
+        self._raise_update_error()
+        reply = self._replay.update(idx, Adv, wait=False)
+        with self._cond:
+            self._updates.append(reply)
+        self._acknowledge(keep=self._max_pending)
+        self._raise_update_error()
 
-    def _collect_updates(self, block: bool) -> None:
-        """Check the acknowledged updates (all of them if ``block``); raise their errors."""
-        while self._updates and (block or self._updates[0].done()):
-            self._updates.popleft().result()
+    def _acknowledge(self, keep: int | None = None) -> None:
+        """Collect acknowledgements of sent updates, oldest first, keeping their errors.
+
+        With ``keep=None`` only those that have arrived (the background thread does this
+        after each batch, so the learner's calls make no round trips); otherwise wait until
+        at most ``keep`` updates are outstanding.
+        """
+        while True:
+            with self._cond:
+                if len(self._updates) <= (keep or 0):
+                    return
+                reply = self._updates[0]
+            if keep is None and not reply.done():
+                return
+            with self._cond:
+                if not self._updates or self._updates[0] is not reply:
+                    continue  # the other thread took it
+                self._updates.popleft()
+            try:
+                reply.result()
+            except BaseException as exc:
+                with self._cond:
+                    self._errors.append(exc)
+
+    def _raise_update_error(self) -> None:
+        """Raise the error of the oldest failed update, if any (once)."""
+        with self._cond:
+            error = self._errors.popleft() if self._errors else None
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         """Wait for the pending priority updates and stop prefetching (idempotent).
@@ -177,7 +208,8 @@ class PrefetchingSampler:
             self._closed = True
             self._ready.clear()
             self._cond.notify_all()
-        self._collect_updates(block=True)
+        self._acknowledge(keep=0)
+        self._raise_update_error()
 
     def __enter__(self) -> PrefetchingSampler:
         return self
