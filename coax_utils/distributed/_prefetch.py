@@ -98,6 +98,7 @@ class PrefetchingSampler:
         self._ready: collections.deque = collections.deque()  # (batch, error) pairs
         self._updates: collections.deque = collections.deque()  # sent, not acknowledged
         self._errors: collections.deque = collections.deque()  # of acknowledged updates
+        self._acknowledging = 0  # updates taken off the queue whose reply is being read
         self._closed = False
         self._thread = threading.Thread(target=self._fetch, name="prefetch", daemon=True)
         self._thread.start()
@@ -184,11 +185,17 @@ class PrefetchingSampler:
                 if not self._updates or self._updates[0] is not reply:
                     continue  # the other thread took it
                 self._updates.popleft()
+                self._acknowledging += 1
+            error = None
             try:
                 reply.result()
             except BaseException as exc:
-                with self._cond:
-                    self._errors.append(exc)
+                error = exc
+            with self._cond:
+                self._acknowledging -= 1
+                if error is not None:
+                    self._errors.append(error)
+                self._cond.notify_all()
 
     def _raise_update_error(self) -> None:
         """Raise the error of the oldest failed update, if any (once)."""
@@ -210,6 +217,8 @@ class PrefetchingSampler:
             self._ready.clear()
             self._cond.notify_all()
         self._acknowledge(keep=0)
+        with self._cond:  # and the one the background thread may be reading
+            self._cond.wait_for(lambda: self._acknowledging == 0)
         self._raise_update_error()
 
     def __enter__(self) -> PrefetchingSampler:
