@@ -22,6 +22,7 @@ from coax_utils.replay._functional import (
     PrioritizedBufferState,
     PrioritizedSample,
     UniformBufferState,
+    gather_rows,
     make_prioritized_buffer,
     make_uniform_buffer,
 )
@@ -172,15 +173,6 @@ class _FrameRing:
         return items.replace(S=stacks(items.S), S_next=stacks(items.S_next))
 
 
-def _select(mask: jax.Array, new: Any, old: Any) -> Any:
-    """Rows of ``new`` where ``mask`` (one bool per row of ``old``), else of ``old``."""
-
-    def one(a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.where(mask.reshape(mask.shape + (1,) * (jnp.ndim(b) - 1)), a, b)
-
-    return jax.tree_util.tree_map(one, new, old)
-
-
 def _check_batch_size(batch_size: Any) -> int:
     return check_int(batch_size, "batch_size", low=1)
 
@@ -284,27 +276,27 @@ def make_frame_stack_buffer(
         batch_size = _check_batch_size(batch_size)
         stored = state.transitions
 
-        def draw(key: jax.Array) -> Any:
-            slots = random_index(key, (batch_size,), stored.size)
-            return jax.tree_util.tree_map(lambda s: s[slots], stored.items)
+        def draw(key: jax.Array) -> jax.Array:
+            return random_index(key, (batch_size,), stored.size)
+
+        def lost(slots: jax.Array) -> jax.Array:
+            return ring.lost(stored.items, state.frame_count, slots)
 
         def redraw(carry: tuple) -> tuple:
-            i, key, items, lost = carry
+            i, key, slots, dead = carry
             key, sub = jax.random.split(key)
-            items = _select(lost, draw(sub), items)
-            return i + 1, key, items, ring.lost(items, state.frame_count)
+            slots = jnp.where(dead, draw(sub), slots)
+            return i + 1, key, slots, lost(slots)
 
         def again(carry: tuple) -> jax.Array:
-            i, _, _, lost = carry
-            return (i < _REJECTION_ROUNDS) & jnp.any(lost)
+            i, _, _, dead = carry
+            return (i < _REJECTION_ROUNDS) & jnp.any(dead)
 
         key, sub = jax.random.split(key)
-        items = draw(sub)  # each draw is gathered once and checked from its own frame ids
-        carry = (0, key, items, ring.lost(items, state.frame_count))
-        _, _, items, lost = jax.lax.while_loop(again, redraw, carry)
-        newest = jax.tree_util.tree_map(lambda s: s[(stored.pos - 1) % capacity], stored.items)
-        items = _select(lost, newest, items)
-        return ring.rebuild(state.frames, items)
+        slots = draw(sub)  # checked from the frame ids of the drawn slots alone
+        _, _, slots, dead = jax.lax.while_loop(again, redraw, (0, key, slots, lost(slots)))
+        slots = jnp.where(dead, (stored.pos - 1) % capacity, slots)
+        return ring.rebuild(state.frames, gather_rows(stored.items, slots))
 
     def can_sample(state: FrameStackBufferState, batch_size: int) -> jax.Array:
         return inner.can_sample(state.transitions, batch_size)

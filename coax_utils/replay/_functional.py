@@ -119,7 +119,7 @@ _ROW_LOOP_MAX_BYTES = 1024  # per-item size up to which CPU samples copy rows in
 _ROW_LOOP_MAX_ROWS = 8192
 
 
-def _gather(storage: Any, slots: jax.Array) -> Any:
+def gather_rows(storage: Any, slots: jax.Array) -> Any:
     """``storage[slots]`` for every leaf.
 
     On a CPU, XLA splits a gather from a large operand over several threads even when only a
@@ -162,7 +162,7 @@ def _sample_sequences(
     mask = (episode == episode[:, :1]) & (starts[:, None] + jnp.arange(length) < state.size)
     last = jnp.sum(mask, axis=1, keepdims=True) - 1
     slots = jnp.take_along_axis(slots, jnp.minimum(jnp.arange(length), last), axis=1)
-    items = _gather(state.items, slots.reshape(-1))
+    items = gather_rows(state.items, slots.reshape(-1))
     items = jax.tree_util.tree_map(lambda x: x.reshape((batch_size, length) + x.shape[1:]), items)
     return SequenceSample(items=items, mask=mask, indices=slots)
 
@@ -291,7 +291,7 @@ def make_uniform_buffer(capacity: int) -> UniformBuffer:
 
     def sample(state: UniformBufferState, key: jax.Array, batch_size: int) -> Any:
         batch_size = _check_static_int(batch_size, "batch_size")
-        return _gather(state.items, random_index(key, (batch_size,), state.size))
+        return gather_rows(state.items, random_index(key, (batch_size,), state.size))
 
     def can_sample(state: Any, batch_size: int) -> jax.Array:
         return state.size >= jnp.maximum(batch_size, 1)
@@ -503,7 +503,7 @@ def make_prioritized_buffer(
         low = jnp.min(value)
         ratio = jnp.where(low > 0, value / jnp.where(low > 0, low, 1), 1)
         weights = jnp.where(ratio > 1, jnp.power(ratio, -beta_), 1.0)
-        return PrioritizedSample(_gather(state.items, indices), indices, weights)
+        return PrioritizedSample(gather_rows(state.items, indices), indices, weights)
 
     def update(
         state: PrioritizedBufferState, indices: jax.Array, priorities: jax.Array
