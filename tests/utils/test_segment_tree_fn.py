@@ -213,10 +213,10 @@ def test_strategy_is_checked():
         sum_tree_set(state, jnp.array([0]), jnp.array([1.0]), strategy=None)
 
 
+@pytest.mark.parametrize("capacity", [1, 45])
 @pytest.mark.parametrize("strategy", SUM_TREE_STRATEGIES)
-def test_strategies_agree_with_duplicates_and_ignored_entries(strategy):
+def test_strategies_agree_with_duplicates_and_ignored_entries(strategy, capacity):
     rng = np.random.default_rng(11)
-    capacity = 45
     ref = np.zeros(capacity, np.float32)
     state = sum_tree_init(capacity)
     set_ = jax.jit(functools.partial(sum_tree_set, strategy=strategy))
@@ -229,6 +229,11 @@ def test_strategies_agree_with_duplicates_and_ignored_entries(strategy):
         state = set_(state, jnp.asarray(idx, jnp.int32), jnp.asarray(vals))
         np.testing.assert_array_equal(np.asarray(sum_tree_values(state)), ref)
         np.testing.assert_allclose(float(sum_tree_total(state)), ref.sum(), rtol=1e-6)
+        # ignored entries leave node 0 at zero, and every parent is its children's sum
+        nodes = np.asarray(state.nodes)
+        half = len(nodes) // 2
+        assert nodes[0] == 0
+        np.testing.assert_array_equal(nodes[1:half], nodes[2::2] + nodes[3::2])
 
 
 def _exported_text(fn, platform, *args):
