@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 _REJECTION_ROUNDS = 32
+_COUNTER_SPAN = 2**30  # frame ids and transition counts wrap below this (int32 counters)
 _PRUNE_CHUNK = 64  # transitions checked per round for lost frames (prioritized add)
 
 
@@ -65,7 +66,11 @@ class _FrameRing:
     """Frame storage of the jittable frame-stacked buffers (configuration; pure methods).
 
     Frame ``i`` lives at row ``i % capacity`` of ``frames``; a transition refers to its
-    frames by id, and lost one when its smallest id is below ``frame_count - capacity``.
+    frames by id, and lost one when one of its ids is more than ``capacity`` frames older
+    than ``frame_count``. Ids and ``frame_count`` count modulo ``modulus`` (a multiple of
+    ``capacity`` near ``2**30``), so the int32 counters never overflow; every age is taken
+    modulo it, which is exact because no stored transition refers to a frame more than
+    ``modulus / 4`` frames old (checked by :meth:`make`).
     New frames equal to one of the ``window`` newest (``window <= capacity - 2 * k``, so a
     matched frame outlives the add that references it) are found by fingerprint in a
     direct-mapped table and confirmed byte for byte.
@@ -75,6 +80,7 @@ class _FrameRing:
     capacity: int
     window: int
     bits: int
+    modulus: int
 
     @classmethod
     def make(cls, capacity: int, stack_size: Any, frame_capacity: Any, window: Any) -> _FrameRing:
@@ -82,12 +88,25 @@ class _FrameRing:
         k = check_int(stack_size, "stack_size", low=1)
         if frame_capacity is None:
             frame_capacity = capacity + capacity // 64 + 2 * k
-        F = check_int(frame_capacity, "frame_capacity", low=2 * k, high=2**31 - 1)
+        F = check_int(frame_capacity, "frame_capacity", low=2 * k, high=_COUNTER_SPAN // 4)
         window = check_int(window, "window", low=0)
         # a table of 8 entries per frame of the requested window, at least 8192: frames that
         # share an entry evict each other and are stored again while both are in use
         bits = max(13, int(8 * window - 1).bit_length())
-        return cls(k=k, capacity=F, window=min(window, F - 2 * k), bits=bits)
+        window = min(window, F - 2 * k)
+        modulus = F * (_COUNTER_SPAN // F)
+        # a stored transition was added at most ``capacity`` transitions (2 k new frames
+        # each) ago and refers to frames up to ``window`` older than that
+        if 4 * (2 * k * capacity + window + F) > modulus:
+            raise ValueError(
+                f"capacity={capacity} with stack_size={k} and frame_capacity={F} is too large "
+                "for the buffer's 32-bit frame counters"
+            )
+        return cls(k=k, capacity=F, window=window, bits=bits, modulus=modulus)
+
+    def age(self, ids: jax.Array, frame_count: jax.Array) -> jax.Array:
+        """How many frames were stored after the frames ``ids`` (exact for stored ids)."""
+        return (frame_count - ids) % self.modulus
 
     def check(self, batch: Any, frames: Any, batched: bool) -> None:
         """Trace-time checks of the stacks of ``batch`` (against ``frames`` if given)."""
@@ -135,14 +154,15 @@ class _FrameRing:
             mixed = (h[0] ^ (h[1] * jnp.uint32(0x85EBCA6B))) * jnp.uint32(0x9E3779B1)
             slot = (mixed >> (32 - bits)).astype(jnp.int32)
             cand = tid[slot]
-            hit = (cand >= 0) & (cand >= count - window) & jnp.all(th[slot] == h)
+            hit = (cand >= 0) & (self.age(cand, count) <= window) & jnp.all(th[slot] == h)
             hit &= jnp.array_equal(frames[cand % F], frame)
             row = count % F
             frames = frames.at[row].set(jnp.where(hit, frames[row], frame))
             fid = jnp.where(hit, cand, count)
             th = th.at[slot].set(jnp.where(hit, th[slot], h))
             tid = tid.at[slot].set(fid)
-            return (frames, count + 1 - hit.astype(jnp.int32), th, tid), fid
+            count = (count + 1 - hit.astype(jnp.int32)) % self.modulus
+            return (frames, count, th, tid), fid
 
         carry = (state.frames, state.frame_count, state.table_hash, state.table_id)
         (frames, count, th, tid), ids = jax.lax.scan(one, carry, (x, _fingerprints(x)))
@@ -156,7 +176,8 @@ class _FrameRing:
         S, S_next = items.S, items.S_next
         if slots is not None:
             S, S_next = S[slots], S_next[slots]
-        return jnp.minimum(S.min(axis=-1), S_next.min(axis=-1)) < frame_count - self.capacity
+        oldest = jnp.maximum(self.age(S, frame_count), self.age(S_next, frame_count)).max(-1)
+        return oldest > self.capacity
 
     def rebuild(self, frames: jax.Array, items: TransitionBatch) -> TransitionBatch:
         """``items`` with the frame ids of ``S`` and ``S_next`` replaced by their frames.
@@ -191,7 +212,9 @@ class FrameStackBufferState:
     frames : Array, shape ``(frame_capacity, *frame_shape)``
         The frames, frame ``i`` at row ``i % frame_capacity``.
     frame_count : int32 Array
-        The number of frames stored (the id of the next one).
+        The number of frames stored (the id of the next one), modulo ``frame_capacity *
+        (2**30 // frame_capacity)``: frame ids count modulo the same number, so the counters
+        never overflow however long the buffer runs.
     table_hash : uint32 Array, shape ``(table_size, 2)``
         Fingerprints of recently stored frames (a direct-mapped table).
     table_id : int32 Array, shape ``(table_size,)``
@@ -241,7 +264,9 @@ def make_frame_stack_buffer(
         The number of frames per observation.
     frame_capacity : int, optional
         The number of frames stored (default ``capacity + capacity // 64 + 2 * stack_size``),
-        at least ``2 * stack_size``.
+        at least ``2 * stack_size``. Frame ids are int32 counters that wrap around (see
+        :class:`FrameStackBufferState`), which limits ``4 * (2 * stack_size * capacity +
+        window + frame_capacity)`` to ``2**30`` (about 30M transitions for stacks of 4).
     window : int, optional
         How many of the newest frames new frames are matched against (at most
         ``frame_capacity - 2 * stack_size`` are, so that a matched frame outlives the add).
@@ -328,12 +353,12 @@ class PrioritizedFrameStackBufferState(FrameStackBufferState):
         As in :class:`FrameStackBufferState`.
     birth : int32 Array, shape ``(capacity,)``
         ``frame_count`` when the transition in each slot was added (its frame ids are at
-        least ``birth - window``).
+        most ``window`` frames older).
     added : int32 Array
-        The number of transitions added so far.
+        The number of transitions added so far, modulo ``capacity * (2**30 // capacity)``.
     frontier : int32 Array
-        The number (in order of addition) of the oldest transition that may still hold all
-        its frames: every older one has priority 0 or was overwritten.
+        The number (in order of addition, modulo the same) of the oldest transition that may
+        still hold all its frames: every older one has priority 0 or was overwritten.
     """
 
     transitions: PrioritizedBufferState  # (a field of the base class: keeps its position)
@@ -431,6 +456,7 @@ def make_prioritized_frame_stack_buffer(
     capacity, strategy = inner.capacity, inner.tree_strategy
     ring = _FrameRing.make(capacity, stack_size, frame_capacity, window)
     chunk = min(_PRUNE_CHUNK, capacity)
+    added_modulus = capacity * (_COUNTER_SPAN // capacity)
 
     def init(example: TransitionBatch) -> PrioritizedFrameStackBufferState:
         refs, fields = ring.init(example)
@@ -444,24 +470,29 @@ def make_prioritized_frame_stack_buffer(
 
     def prune(state: PrioritizedFrameStackBufferState) -> PrioritizedFrameStackBufferState:
         """Priority 0 for the transitions that lost frames; advance the frontier."""
-        stored, count, added = state.transitions, state.frame_count, state.added
-        late = count - ring.capacity + ring.window  # transitions born later hold their frames
+        stored, count = state.transitions, state.frame_count
+        # the transitions from the frontier (or the oldest stored) to the newest, oldest
+        # first: transition start + o, for o < todo
+        todo = jnp.minimum((state.added - state.frontier) % added_modulus, stored.size)
+        start = (state.added - todo) % added_modulus
+        # a transition born less than frame_capacity - window frames ago holds its frames
+        old_enough = ring.capacity - ring.window
 
         def more(carry: tuple) -> jax.Array:
-            t, _, _, _ = carry
-            return (t < added) & (state.birth[t % capacity] <= late)
+            o, _, _, _ = carry
+            born = state.birth[(start + o) % capacity]
+            return (o < todo) & (ring.age(born, count) >= old_enough)
 
         def check(carry: tuple) -> tuple:
-            t, frontier, blocked, tree = carry
-            slots = (t + jnp.arange(chunk, dtype=jnp.int32)) % capacity
-            lost = (t + jnp.arange(chunk) < added) & ring.lost(stored.items, count, slots)
+            o, frontier, blocked, tree = carry
+            slots = (start + o + jnp.arange(chunk, dtype=jnp.int32)) % capacity
+            lost = (o + jnp.arange(chunk) < todo) & ring.lost(stored.items, count, slots)
             tree = sum_tree_set(tree, jnp.where(lost, slots, -1), jnp.zeros(chunk), strategy)
             leading = jnp.sum(jnp.cumprod(lost), dtype=jnp.int32)
-            frontier = jnp.where(blocked, frontier, t + leading)
-            return t + chunk, frontier, blocked | (leading < chunk), tree
+            frontier = jnp.where(blocked, frontier, (start + o + leading) % added_modulus)
+            return o + chunk, frontier, blocked | (leading < chunk), tree
 
-        start = jnp.maximum(state.frontier, added - stored.size)
-        carry = (start, start, jnp.asarray(False), stored.tree)
+        carry = (jnp.zeros([], jnp.int32), start, jnp.asarray(False), stored.tree)
         _, frontier, _, tree = jax.lax.while_loop(more, check, carry)
         return state.replace(transitions=stored.replace(tree=tree), frontier=frontier)
 
@@ -475,7 +506,7 @@ def make_prioritized_frame_stack_buffer(
         state = state.replace(
             transitions=inner.add(state.transitions, refs),
             birth=state.birth.at[slots].set(born, unique_indices=True),
-            added=state.added + n,
+            added=(state.added + n) % added_modulus,
             **fields,
         )
         return prune(state)

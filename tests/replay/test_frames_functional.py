@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,7 +20,23 @@ from coax_utils.utils import sum_tree_values
 from tests.replay.test_frames import K, Tee, image_cartpole, run
 
 
-def test_jittable_matches_host_on_the_same_stream():
+def frame_modulus(F):
+    """The documented modulus of frame ids and frame_count."""
+    return F * (2**30 // F)
+
+
+def near_the_wrap(state, frames_left, transitions_left=None, capacity=None):
+    """An empty state whose counters are about to wrap around (as after ~2**30 frames)."""
+    F = state.frames.shape[0]
+    fields = dict(frame_count=jnp.int32(frame_modulus(F) - frames_left))
+    if transitions_left is not None:
+        count = capacity * (2**30 // capacity) - transitions_left
+        fields.update(added=jnp.int32(count), frontier=jnp.int32(count))
+    return state.replace(**fields)
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["fresh", "counters-wrap"])
+def test_jittable_matches_host_on_the_same_stream(wrap):
     host = FrameStackReplayBuffer(capacity=40, stack_size=K, frame_capacity=44, random_seed=0)
     tee = Tee(host)
     buf = make_frame_stack_buffer(capacity=40, stack_size=K, frame_capacity=44)
@@ -37,11 +54,18 @@ def test_jittable_matches_host_on_the_same_stream():
             tee.add(batch)
             if state is None:
                 state = buf.init(jax.tree_util.tree_map(lambda x: x[0], batch))
+                start.append(int(state.frame_count))
+                if wrap:  # the frame counter wraps around during the run
+                    state = near_the_wrap(state, frames_left=50)
+                    start[0] = int(state.frame_count)
             state = add(state, batch)
 
+    start = []
     run(image_cartpole(max_steps=6), Both(), NStep(n=2, gamma=0.9), 90)
+    stored = (int(state.frame_count) - start[0]) % frame_modulus(44)
+    assert not wrap or int(state.frame_count) < start[0]  # it did wrap
     # each frame about once (a direct-mapped table may miss a repeat: stored again)
-    assert host.frame_count <= int(state.frame_count) <= host.frame_count + 4
+    assert host.frame_count <= stored <= host.frame_count + 4
     live = {int(tr.Rn[0]) for tr in host}
     for i in range(5):
         batch = sample(state, jax.random.PRNGKey(i), 64)
@@ -66,20 +90,22 @@ def leaves_equal(a, b):
 
 
 def lost_by_full_scan(state, F):
-    """Slots whose transition lost a frame, found by scanning every stored transition."""
+    """Slots whose transition lost a frame, found by scanning every stored transition: one
+    of its frames is more than F frames older than the newest (ids count modulo a number)."""
     items, size = state.transitions.items, int(state.transitions.size)
-    oldest = np.minimum(np.asarray(items.S).min(axis=1), np.asarray(items.S_next).min(axis=1))
-    return set(np.flatnonzero(oldest[:size] < int(state.frame_count) - F).tolist())
+    ids = np.concatenate([np.asarray(items.S), np.asarray(items.S_next)], axis=1)
+    age = (int(state.frame_count) - ids.astype(np.int64)) % frame_modulus(F)
+    return set(np.flatnonzero(age[:size].max(axis=1) > F).tolist())
 
 
 class Numbered:
     """Feeds the host buffer (through Tee, with its plain-buffer oracle) and the jittable
     buffer the same stream; ``Rn`` is replaced by each transition's position in the stream."""
 
-    def __init__(self, host, buf, after_add=None):
-        self.tee, self.buf, self.after_add = Tee(host), buf, after_add
+    def __init__(self, host, buf, after_add=None, wrap=False):
+        self.tee, self.buf, self.after_add, self.wrap = Tee(host), buf, after_add, wrap
         self.add_fn = jax.jit(buf.add, donate_argnums=0)
-        self.state, self.seen = None, []
+        self.state, self.seen, self.start = None, [], 0
 
     def add(self, batch):
         n = batch.batch_size
@@ -88,12 +114,16 @@ class Numbered:
         self.tee.add(batch)
         if self.state is None:
             self.state = self.buf.init(jax.tree_util.tree_map(lambda x: x[0], batch))
+            if self.wrap:  # the frame and transition counters wrap around during the run
+                self.state = near_the_wrap(self.state, 20, 17, self.buf.capacity)
+            self.start = int(self.state.frame_count)
         self.state = self.add_fn(self.state, batch)
         if self.after_add is not None:
             self.after_add(self)
 
 
-def test_prioritized_jittable_matches_host_and_never_samples_lost_transitions():
+@pytest.mark.parametrize("wrap", [False, True], ids=["fresh", "counters-wrap"])
+def test_prioritized_jittable_matches_host_and_never_samples_lost_transitions(wrap):
     F = 34
     host = PrioritizedFrameStackReplayBuffer(
         capacity=30, stack_size=K, frame_capacity=F, alpha=0.7, random_seed=0
@@ -114,7 +144,8 @@ def test_prioritized_jittable_matches_host_and_never_samples_lost_transitions():
         assert set(np.flatnonzero(values[:size] == 0).tolist()) == lost
         lost_counts.append(len(lost))
         # each frame about once (a direct-mapped table may miss a repeat: stored again)
-        assert host.frame_count <= int(state.frame_count) <= host.frame_count + 4
+        stored = (int(state.frame_count) - both.start) % frame_modulus(F)
+        assert host.frame_count <= stored <= host.frame_count + 4
         host_live = {int(tr.Rn[0]): tr for tr in host}
         drawn = sample(state, jax.random.PRNGKey(len(both.seen)), 48)
         assert set(np.asarray(drawn.indices).tolist()).isdisjoint(lost)
@@ -135,10 +166,14 @@ def test_prioritized_jittable_matches_host_and_never_samples_lost_transitions():
         values = np.asarray(sum_tree_values(both.state.transitions.tree))
         assert all(values[s] == 0 for s in lost)
 
-    both = Numbered(host, buf, after_add=check)
+    both = Numbered(host, buf, after_add=check, wrap=wrap)
     run(image_cartpole(max_steps=5), both, NStep(n=2, gamma=0.9), 70)
     assert max(lost_counts) > 0  # the ring did overwrite frames of stored transitions
     assert len(both.seen) > 30  # and the transition ring wrapped around
+    if wrap:  # and so did both counters
+        assert int(both.state.frame_count) < both.start
+        assert int(both.state.added) == len(both.seen) - 17
+        assert int(both.state.frontier) <= int(both.state.added)
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +284,13 @@ def test_factory_checks_as_the_dense_twin(kwargs):
         make_prioritized_buffer(10, **kwargs)
     with pytest.raises(dense.type):
         make_prioritized_frame_stack_buffer(10, stack_size=K, **kwargs)
+
+
+def test_sizes_beyond_the_32_bit_frame_counters_are_refused():
+    # ids wrap modulo about 2**30: ages stay exact only while stored transitions are younger
+    for factory in (make_frame_stack_buffer, make_prioritized_frame_stack_buffer):
+        with pytest.raises(ValueError, match="32-bit frame counters"):
+            factory(40_000_000, stack_size=4)
+        with pytest.raises(ValueError, match="frame_capacity"):
+            factory(100, stack_size=4, frame_capacity=2**29)
+        factory(20_000_000, stack_size=4)  # within the bound: made (nothing is allocated)
