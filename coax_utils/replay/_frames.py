@@ -98,7 +98,7 @@ class _FrameStacks:
         self._frame_count = 0
         self._fingerprints: np.ndarray | None = None
         self._recent: dict[int, int] = {}  # fingerprint -> id, of the newest frames
-        self._positions: tuple | None = None  # (treedef, leaf of S, leaf of S_next)
+        self._positions: tuple | None = None  # see _positions_of_ids
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -272,27 +272,30 @@ class _FrameStacks:
 
     # -- sampling ------------------------------------------------------------------------------
 
-    def _stack_leaves(self) -> tuple[np.ndarray, np.ndarray]:
-        """The stored frame ids of ``S`` and ``S_next``, ``(capacity, stack_size)`` each."""
+    def _positions_of_ids(self) -> tuple[int, int, int, int]:
+        """Where the frame ids of ``S`` and ``S_next`` are: leaves of the storage, then of a
+        sample (which has ``idx`` inserted)."""
         treedef = self._treedef  # type: ignore[attr-defined]
         if self._positions is None or self._positions[0] is not treedef:
             skeleton = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
-            self._positions = (treedef, skeleton.S, skeleton.S_next)
-        _, s, s_next = self._positions
-        return self._storage[s], self._storage[s_next]  # type: ignore[attr-defined]
+            out_treedef = self._out_treedef  # type: ignore[attr-defined]
+            sample = out_treedef.unflatten(list(range(out_treedef.num_leaves)))
+            self._positions = (treedef, skeleton.S, skeleton.S_next, sample.S, sample.S_next)
+        return self._positions[1:]
 
     def _live(self, slots: np.ndarray) -> np.ndarray:
         """Whether the transitions in ``slots`` still have all their frames."""
-        s_ids, next_ids = self._stack_leaves()
+        s, s_next, _, _ = self._positions_of_ids()
+        s_ids = self._storage[s]  # type: ignore[attr-defined]
+        next_ids = self._storage[s_next]  # type: ignore[attr-defined]
         oldest = np.minimum(s_ids[slots].min(axis=1), next_ids[slots].min(axis=1))
         return oldest >= self._frame_count - self._frame_capacity
 
     def _live_slots(self) -> np.ndarray:
         return np.flatnonzero(self._live(np.arange(len(self))))  # type: ignore[arg-type]
 
-    def _draw_live(self, batch_size: int) -> np.ndarray:
-        """Slots drawn as by ``_draw``, redrawing those that lost frames."""
-        slots = self._draw(batch_size)
+    def _redraw_dead(self, slots: np.ndarray) -> np.ndarray:
+        """``slots`` with those that lost frames redrawn (as by ``_draw``), in place."""
         for _ in range(_REJECTION_ROUNDS):
             dead = np.flatnonzero(~self._live(slots))
             if not len(dead):
@@ -305,21 +308,48 @@ class _FrameStacks:
                 "no transition in the buffer has all its frames: frame_capacity "
                 f"{self._frame_capacity} is too small for these transitions"
             )
-        return self._draw_among(live, batch_size)
+        return self._draw_among(live, len(slots))
 
-    def _gather(
+    def _sample_live(self, batch_size: int, weighted: bool) -> TransitionBatch:
+        """``batch_size`` transitions drawn by ``_draw`` among those that have all their
+        frames, stacks rebuilt; ``weighted``: ``W`` times the importance weights."""
+        slots = self._draw(batch_size)
+        _, _, s, s_next = self._positions_of_ids()
+        # the frame ids come with the rest of the transitions, in one pass over their rows
+        leaves = super()._gather_leaves(slots)  # type: ignore[misc]
+        ids = np.concatenate((leaves[s], leaves[s_next]))
+        if ids.min() < self._frame_count - self._frame_capacity:  # some lost frames
+            slots = self._redraw_dead(slots)
+            leaves = super()._gather_leaves(slots)  # type: ignore[misc]
+            ids = np.concatenate((leaves[s], leaves[s_next]))
+        if weighted:
+            self._scale_weights(leaves, self._importance_weights(slots))  # type: ignore[attr-defined]
+        self._stack_frames(leaves, ids)
+        return self._out_treedef.unflatten(leaves)  # type: ignore[attr-defined]
+
+    def _gather_leaves(
         self, slots: np.ndarray, W: np.ndarray | None = None, out: list | None = None
-    ) -> TransitionBatch:
-        batch = super()._gather(slots, W, out)  # type: ignore[misc]
+    ) -> list:
+        leaves = super()._gather_leaves(slots, W, out)  # type: ignore[misc]
+        _, _, s, s_next = self._positions_of_ids()
+        self._stack_frames(leaves, np.concatenate((leaves[s], leaves[s_next])))
+        return leaves
+
+    def _stack_frames(self, leaves: list, ids: np.ndarray) -> None:
+        """Put the stacks of ``S`` and ``S_next`` in place of their frame ids in ``leaves``.
+
+        ``ids`` holds the ids of ``S`` then those of ``S_next``, shape ``(2 * n, stack_size)``
+        (it is overwritten). One gather copies every frame of both.
+        """
         frames = self._frames
-        n, k, frame_shape = len(slots), self._stack_size, frames.shape[1:]
-        ids = np.empty((2, n, k), np.int64)
-        np.remainder(batch.S, self._frame_capacity, out=ids[0])
-        np.remainder(batch.S_next, self._frame_capacity, out=ids[1])
-        stacks = np.empty((2, n, k) + frame_shape, frames.dtype)
-        flat = stacks.reshape((-1,) + frame_shape)
-        np.take(frames, ids.reshape(-1), axis=0, out=flat, mode="clip")
-        return batch.replace(S=stacks[0], S_next=stacks[1])
+        n, frame_shape = len(ids) // 2, frames.shape[1:]  # type: ignore[union-attr]
+        np.remainder(ids, self._frame_capacity, out=ids)
+        stacks = np.empty(ids.shape + frame_shape, frames.dtype)  # type: ignore[union-attr]
+        np.take(
+            frames, ids.reshape(-1), axis=0, out=stacks.reshape((-1,) + frame_shape), mode="clip"
+        )
+        _, _, s, s_next = self._positions_of_ids()
+        leaves[s], leaves[s_next] = stacks[:n], stacks[n:]
 
     def __iter__(self) -> Iterator[TransitionBatch]:
         """Iterate over the stored transitions that have all their frames, oldest first."""
@@ -397,7 +427,8 @@ class _FrameStacks:
                 f"frame_capacity={frame_capacity} rows, got {frames!r:.80}"
             )
         skeleton = jax.tree_util.tree_unflatten(
-            self._treedef, list(range(self._treedef.num_leaves))  # type: ignore[attr-defined]
+            self._treedef,
+            list(range(self._treedef.num_leaves)),  # type: ignore[attr-defined]
         )
         if not (isinstance(skeleton.S, int) and isinstance(skeleton.S_next, int)):
             raise ValueError(f"{name} state: S and S_next must each be one leaf of frame ids")
@@ -412,8 +443,7 @@ class _FrameStacks:
             filled = ids[:n]
             if filled.size and (filled.min() < 0 or filled.max() >= count):
                 raise ValueError(
-                    f"{name} state: the frame ids of {field} must lie in [0, frame_count="
-                    f"{count})"
+                    f"{name} state: the frame ids of {field} must lie in [0, frame_count={count})"
                 )
         super()._restore_extra(state)  # type: ignore[misc]
         self._frames = frames
@@ -523,8 +553,7 @@ class FrameStackReplayBuffer(_FrameStacks, SimpleReplayBuffer):
             If the buffer is empty, ``batch_size`` is not positive, or no transition has all
             its frames.
         """
-        batch_size = self._check_nonempty(batch_size)
-        return self._gather(self._draw_live(batch_size))
+        return self._sample_live(self._check_nonempty(batch_size), weighted=False)
 
     def __repr__(self) -> str:
         return (
@@ -608,12 +637,7 @@ class PrioritizedFrameStackReplayBuffer(_FrameStacks, PrioritizedReplayBuffer):
             If the buffer is empty, ``batch_size`` is not positive, or no transition has all
             its frames.
         """
-        batch_size = self._check_nonempty(batch_size)
-        slots = self._draw_live(batch_size)
-        prob = self._tree.values[slots] / self._tree.root_value
-        W = np.power(len(self) * prob, -self._beta)
-        W /= W.max()
-        return self._gather(slots, W)
+        return self._sample_live(self._check_nonempty(batch_size), weighted=True)
 
     def __repr__(self) -> str:
         return (

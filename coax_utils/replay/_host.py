@@ -62,7 +62,6 @@ def _check_batch_size(batch_size: Any, name: str = "batch_size") -> int:
     return check_int(batch_size, name, low=1)
 
 
-
 def _check_int(state: dict, key: str, owner: str, lo: int, hi: int) -> int:
     value = state[key]
     if not is_int(value):
@@ -478,6 +477,12 @@ class _RingStorage:
         self, slots: np.ndarray, W: np.ndarray | None = None, out: list | None = None
     ) -> TransitionBatch:
         """The transitions in ``slots``: fresh arrays, or written into the leaves ``out``."""
+        return self._out_treedef.unflatten(self._gather_leaves(slots, W, out))
+
+    def _gather_leaves(
+        self, slots: np.ndarray, W: np.ndarray | None = None, out: list | None = None
+    ) -> list:
+        """The leaves of ``_gather`` (in the order of a sample's tree), not yet unflattened."""
         n = len(slots)
         targets = list(out) if out is not None else None
         if targets is not None:
@@ -519,13 +524,17 @@ class _RingStorage:
         if chunks:
             _parallel_take(chunks)
         if W is not None:
-            w = leaves[self._w_pos]
-            np.multiply(w, W.astype(w.dtype), out=w)
+            self._scale_weights(leaves, W)
         if targets is None:
             idx_out = np.empty(n, np.int64)
         np.take(self._ids, slots, out=idx_out, mode="clip")
         leaves.insert(self._idx_pos, idx_out)
-        return self._out_treedef.unflatten(leaves)
+        return leaves
+
+    def _scale_weights(self, leaves: list, W: np.ndarray) -> None:
+        """Multiply the stored weights among a sample's ``leaves`` by ``W``, in place."""
+        w = leaves[self._w_pos]
+        np.multiply(w, W.astype(w.dtype), out=w)
 
     def _check_nonempty(self, batch_size: Any) -> int:
         batch_size = _check_batch_size(batch_size)
@@ -772,9 +781,7 @@ class _RingStorage:
         if dtype is None or dtype.kind not in "biuf" or dtype.itemsize == 0:
             raise ValueError(f"{name} state: leaf {i} has an invalid dtype {spec['dtype']!r}")
         if not (
-            isinstance(shape, list)
-            and len(shape) <= 8
-            and all(is_int(d) and d >= 0 for d in shape)
+            isinstance(shape, list) and len(shape) <= 8 and all(is_int(d) and d >= 0 for d in shape)
         ):
             raise ValueError(f"{name} state: leaf {i} has an invalid shape {shape!r}")
         nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
@@ -1329,10 +1336,14 @@ class PrioritizedReplayBuffer(_RingStorage):
         targets = self._check_out(out, batch_size)
         u = self._rng.random(batch_size)
         slots = np.asarray(self._tree.inverse_cdf(u), dtype=np.int64)
+        return self._gather(slots, self._importance_weights(slots), targets)
+
+    def _importance_weights(self, slots: np.ndarray) -> np.ndarray:
+        """The importance weights of ``slots``, normalised by their largest."""
         prob = self._tree.values[slots] / self._tree.root_value
         W = np.power(len(self) * prob, -self._beta)
         W /= W.max()
-        return self._gather(slots, W, targets)
+        return W
 
     @property
     def total_priority(self) -> float:
