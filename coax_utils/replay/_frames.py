@@ -324,7 +324,7 @@ class _FrameStacks:
             ids = np.concatenate((leaves[s], leaves[s_next]))
         if weighted:
             self._scale_weights(leaves, self._importance_weights(slots))  # type: ignore[attr-defined]
-        self._stack_frames(leaves, ids)
+        leaves[s], leaves[s_next] = self._stacks(ids)
         return self._out_treedef.unflatten(leaves)  # type: ignore[attr-defined]
 
     def _gather_leaves(
@@ -332,11 +332,11 @@ class _FrameStacks:
     ) -> list:
         leaves = super()._gather_leaves(slots, W, out)  # type: ignore[misc]
         _, _, s, s_next = self._positions_of_ids()
-        self._stack_frames(leaves, np.concatenate((leaves[s], leaves[s_next])))
+        leaves[s], leaves[s_next] = self._stacks(np.concatenate((leaves[s], leaves[s_next])))
         return leaves
 
-    def _stack_frames(self, leaves: list, ids: np.ndarray) -> None:
-        """Put the stacks of ``S`` and ``S_next`` in place of their frame ids in ``leaves``.
+    def _stacks(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The frame stacks ``S`` and ``S_next`` of ``n`` transitions from their frame ids.
 
         ``ids`` holds the ids of ``S`` then those of ``S_next``, shape ``(2 * n, stack_size)``
         (it is overwritten). One gather copies every frame of both.
@@ -348,8 +348,7 @@ class _FrameStacks:
         np.take(
             frames, ids.reshape(-1), axis=0, out=stacks.reshape((-1,) + frame_shape), mode="clip"
         )
-        _, _, s, s_next = self._positions_of_ids()
-        leaves[s], leaves[s_next] = stacks[:n], stacks[n:]
+        return stacks[:n], stacks[n:]
 
     def __iter__(self) -> Iterator[TransitionBatch]:
         """Iterate over the stored transitions that have all their frames, oldest first."""

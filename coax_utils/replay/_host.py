@@ -270,6 +270,9 @@ class _RingStorage:
         self._storage: list[np.ndarray] | None = None
         self._block: np.ndarray | None = None
         self._packed: list = []
+        self._records: np.ndarray | None = None
+        self._fields: list[tuple[int, str]] = []  # (leaf, field of _records), packed leaves
+        self._unpacked: list[int] = []  # leaves with arrays of their own
         self._treedef = None
         self._out_treedef = None
         self._idx_pos = 0
@@ -379,6 +382,22 @@ class _RingStorage:
             storage.append(view.reshape((self._capacity,) + shape))
             packed.append((i, offset, nbytes, dtype, shape))
         self._block, self._packed, self._storage = block, packed, storage
+        # the block's rows as records with one field per packed leaf: a sample takes the rows
+        # and reads each leaf as a field
+        self._records = None
+        self._fields = [(i, str(i)) for i, *_ in packed]
+        self._unpacked = [i for i, spec in enumerate(specs) if isinstance(spec, np.ndarray)]
+        if packed:
+            self._records = block.view(
+                np.dtype(
+                    {
+                        "names": [name for _, name in self._fields],
+                        "formats": [(dtype, shape) for *_, dtype, shape in packed],
+                        "offsets": [offset for _, offset, *_ in packed],
+                        "itemsize": block.shape[1],
+                    }
+                )
+            )[:, 0]
         self._treedef = treedef
         # output structure: the stored structure plus an ``idx`` leaf
         skeleton = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
@@ -489,18 +508,15 @@ class _RingStorage:
             idx_out = targets.pop(self._idx_pos)
         leaves: list = [None] * len(self._storage)
         chunks = []  # large leaves: (storage, slots, out) pieces, copied by several threads
-        packed = set()
-        if self._block is not None:
-            rows = np.take(self._block, slots, axis=0, mode="clip")
-            for i, offset, nbytes, dtype, shape in self._packed:
-                view = rows[:, offset : offset + nbytes].view(dtype).reshape((n,) + shape)
+        if self._records is not None:
+            rows = np.take(self._records, slots, mode="clip")
+            for i, name in self._fields:
                 if targets is None:
-                    leaves[i] = view
+                    leaves[i] = rows[name]
                 else:
                     leaves[i] = targets[i]
-                    np.copyto(leaves[i], view)
-                packed.add(i)
-        fresh = [i for i, a in enumerate(self._storage) if i not in packed]
+                    np.copyto(leaves[i], rows[name])
+        fresh = self._unpacked
         if targets is None and fresh:
             # One allocation for all leaves: freed and reused as a whole, it does not page
             # fault again on the next sample (separate arrays each would, for large frames).
