@@ -189,6 +189,10 @@ def test_prioritized_never_samples_lost_transitions():
         assert set(batch.idx.tolist()) <= live
         assert_same(batch, expected)
         assert 0 < batch.W.min() and batch.W.max() == 1.0
+        # importance weights of the transitions returned (after the redraws)
+        prob = buffer.priorities(batch.idx) / buffer.total_priority
+        weights = (len(buffer) * prob) ** -1.0  # beta = 1
+        np.testing.assert_allclose(batch.W, weights / weights.max(), rtol=1e-6)
         buffer.update(batch.idx, np.linspace(0, 3, 50))
 
     run(image_cartpole(max_steps=4), buffer, NStep(n=1, gamma=0.9), 80, after_step=check)
