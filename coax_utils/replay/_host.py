@@ -483,13 +483,18 @@ class _RingStorage:
                     f"leaf {i} of out must be a writable array "
                     f"{arr.dtype}{[batch_size, *arr.shape[1:]]}, got {x!r:.80}"
                 )
-        owners = list(self._storage) + [self._ids, self._episode]
+        # the buffer's memory: the block (holding the packed leaves) and the other arrays
+        owners = [self._storage[i] for i in self._unpacked] + [self._ids, self._episode]
+        if self._block is not None:
+            owners.append(self._block)
         for k, x in enumerate(leaves):
-            # the small leaves of a sample are disjoint column views of one block of rows
-            if any(np.may_share_memory(x, other) for other in owners) or any(
-                np.shares_memory(x, other) for other in leaves[k + 1 :]
-            ):
-                raise ValueError(f"leaf {k} of out shares memory with the buffer or out")
+            for other in owners:
+                if np.may_share_memory(x, other):
+                    raise ValueError(f"leaf {k} of out shares memory with the buffer")
+            # the small leaves of a sample are disjoint fields of one array of records
+            for other in leaves[k + 1 :]:
+                if np.shares_memory(x, other):
+                    raise ValueError(f"leaf {k} of out shares memory with another leaf of out")
         return leaves
 
     def _gather(

@@ -205,11 +205,14 @@ def test_sample_into_out(cls):
     np.testing.assert_array_equal(again.S[:, 3, 3], (again.idx % 251).astype(np.uint8))
     np.testing.assert_array_equal(again.A, again.idx)
     np.testing.assert_array_equal(again.Rn, again.idx.astype(np.float32))
-    before = snapshot(buffer)
+    stored = jax.tree_util.tree_unflatten(buffer._treedef, buffer._storage)
+    assert np.shares_memory(stored.Rn, buffer._block)
     bad = [
         buffer.sample(8),  # another batch size
         again.replace(S=again.S.astype(np.int16)),
         again.replace(S=buffer._storage[0][:16]),  # the storage itself
+        again.replace(Rn=stored.Rn[:16]),  # a column of the block of small leaves
+        again.replace(Rn=buffer._ids[:16].view(np.float32)[::2]),  # the ids
         again.replace(S_next=again.S),  # two leaves in one array
         again.replace(A_next=again.A),
     ]
