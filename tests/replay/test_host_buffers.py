@@ -268,10 +268,10 @@ def test_large_samples_work_in_a_forked_child():
         f, z = np.ones((n, 128, 128), np.uint8), np.zeros(n, np.float32)
         b = SimpleReplayBuffer(n, random_seed=0)
         b.add(TransitionBatch(S=f, A=np.arange(n), logP=z, Rn=z, In=z, S_next=f))
-        b.sample(128)  # starts the copy threads in the parent
+        b.sample(256)  # 4 MiB a leaf: starts the copy threads in the parent
         pid = os.fork()
         if pid == 0:
-            b.sample(128)
+            b.sample(256)
             os._exit(7)
         print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
         """
