@@ -426,8 +426,7 @@ class _FrameStacks:
                 f"frame_capacity={frame_capacity} rows, got {frames!r:.80}"
             )
         skeleton = jax.tree_util.tree_unflatten(
-            self._treedef,
-            list(range(self._treedef.num_leaves)),  # type: ignore[attr-defined]
+            self._treedef, list(range(self._treedef.num_leaves))  # type: ignore[attr-defined]
         )
         if not (isinstance(skeleton.S, int) and isinstance(skeleton.S_next, int)):
             raise ValueError(f"{name} state: S and S_next must each be one leaf of frame ids")
@@ -442,7 +441,8 @@ class _FrameStacks:
             filled = ids[:n]
             if filled.size and (filled.min() < 0 or filled.max() >= count):
                 raise ValueError(
-                    f"{name} state: the frame ids of {field} must lie in [0, frame_count={count})"
+                    f"{name} state: the frame ids of {field} must lie in [0, frame_count="
+                    f"{count})"
                 )
         super()._restore_extra(state)  # type: ignore[misc]
         self._frames = frames

@@ -64,6 +64,7 @@ def _check_batch_size(batch_size: Any, name: str = "batch_size") -> int:
     return check_int(batch_size, name, low=1)
 
 
+
 def _check_int(state: dict, key: str, owner: str, lo: int, hi: int) -> int:
     value = state[key]
     if not is_int(value):
@@ -804,7 +805,9 @@ class _RingStorage:
         if dtype is None or dtype.kind not in "biuf" or dtype.itemsize == 0:
             raise ValueError(f"{name} state: leaf {i} has an invalid dtype {spec['dtype']!r}")
         if not (
-            isinstance(shape, list) and len(shape) <= 8 and all(is_int(d) and d >= 0 for d in shape)
+            isinstance(shape, list)
+            and len(shape) <= 8
+            and all(is_int(d) and d >= 0 for d in shape)
         ):
             raise ValueError(f"{name} state: leaf {i} has an invalid shape {shape!r}")
         nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
