@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import mmap
 import os
+import queue
 import re
 import secrets
 import stat
@@ -96,10 +99,23 @@ def atomic_write(path: str, write_all: Callable[[Callable[[int, Any], None]], No
         mode = 0o666 & ~_umask()
     remove_stale_temps(dirname)
     tmp = temp_name(dirname)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(tmp, flags | direct, 0o600)
+    except OSError as e:  # a file system without direct I/O (e.g. tmpfs)
+        if not direct or e.errno != errno.EINVAL:
+            raise
+        direct, fd = 0, os.open(tmp, flags, 0o600)
     try:
         try:
-            write_all(lambda offset, piece: _place(fd, offset, piece))
+            writer = _DirectWriter.start(fd) if direct else None
+            if writer is not None:
+                with writer:
+                    write_all(writer.place)
+                    writer.finish()
+            else:
+                write_all(lambda offset, piece: _place(fd, offset, piece))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -123,6 +139,107 @@ def _place(fd: int, offset: int, piece: Any) -> None:
         # are compressed; the final fsync has less left to do.
         with contextlib.suppress(OSError):  # a hint only
             os.posix_fadvise(fd, offset, view.nbytes, os.POSIX_FADV_DONTNEED)
+
+
+class _DirectWriter:
+    """Writes a file opened with ``O_DIRECT`` from pieces placed at any offsets.
+
+    The pieces (given from several threads, in any order, together covering the file from
+    0) are copied in file order into page-aligned staging blocks, and a thread of its own
+    writes each full block straight to the disk while the next chunks are compressed.
+    Direct I/O skips the copy into the page cache, whose cost grows with what other writers
+    left there. The last block is padded to the alignment, written, and the file cut to its
+    size. At most ``QUEUE + 2`` blocks are held (a few MiB): placing waits for the disk.
+
+    Use as a context manager: leaving it stops the thread, after an error too.
+    """
+
+    ALIGN = 4096  # a multiple of every logical block size direct I/O asks for here
+    BLOCK = 4 << 20
+    QUEUE = 2
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._lock = threading.Lock()
+        self._pending: dict[int, Any] = {}  # offset -> piece not yet staged
+        self._size = 0  # bytes staged so far
+        self._free: list[mmap.mmap] = []
+        self._block = mmap.mmap(-1, self.BLOCK)  # page-aligned
+        self._fill = 0
+        self._queue: queue.Queue = queue.Queue(self.QUEUE)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, fd: int) -> _DirectWriter | None:
+        """A writer for ``fd``; None, with ``fd`` switched to buffered writes, when no thread
+        can start (a dump from an ``atexit`` handler while the interpreter exits)."""
+        try:
+            return cls(fd)
+        except RuntimeError:
+            import fcntl
+
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            return None
+
+    def __enter__(self) -> _DirectWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def place(self, offset: int, piece: Any) -> None:
+        full = []
+        with self._lock:
+            self._pending[offset] = piece
+            while self._size in self._pending:
+                view = memoryview(self._pending.pop(self._size)).cast("B")
+                while view.nbytes:
+                    n = min(view.nbytes, self.BLOCK - self._fill)
+                    self._block[self._fill : self._fill + n] = view[:n]
+                    self._fill += n
+                    self._size += n
+                    view = view[n:]
+                    if self._fill == self.BLOCK:
+                        full.append((self._block, self.BLOCK, self._size - self.BLOCK))
+                        self._block = self._free.pop() if self._free else mmap.mmap(-1, self.BLOCK)
+                        self._fill = 0
+        for job in full:
+            self._check()
+            self._queue.put(job)
+
+    def finish(self) -> None:
+        """Write the last, partial block, wait for the disk and cut the file to its size."""
+        if self._pending:
+            raise RuntimeError("checkpoint pieces do not cover the file")  # a bug, not input
+        if self._fill:
+            n = -(-self._fill // self.ALIGN) * self.ALIGN
+            self._block[self._fill : n] = bytes(n - self._fill)
+            self._queue.put((self._block, n, self._size - self._fill))
+        self._queue.put(None)
+        self._thread.join()
+        self._check()
+        os.ftruncate(self._fd, self._size)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _drain(self) -> None:
+        while (job := self._queue.get()) is not None:
+            block, n, offset = job
+            if self._error is None:
+                try:
+                    with memoryview(block) as view:
+                        done = 0
+                        while done < n:
+                            done += os.pwrite(self._fd, view[done:n], offset + done)
+                except BaseException as e:  # raised in the placing threads
+                    self._error = e
+            with self._lock:
+                self._free.append(block)
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 import collections
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import pathlib
@@ -31,7 +32,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coax_utils import utils
-from coax_utils.utils import _checkpoint, _ckpt_container, _ckpt_tree
+from coax_utils.utils import _checkpoint, _ckpt_container, _ckpt_files, _ckpt_tree
 
 DATA = pathlib.Path(__file__).parent / "data"
 
@@ -396,6 +397,103 @@ def test_chunks_that_finish_out_of_order_land_where_one_thread_puts_them(tmp_pat
     assert threaded == serial
     assert (tmp_path / "ckpt").read_bytes() == serial
     assert_tree_equal(utils.loads(serial, safe=True), obj)
+
+
+def _late_every_third(monkeypatch):
+    """Delay every third chunk's compression, so that later chunks finish first."""
+    compress, lock, started = _ckpt_container._compress, threading.Lock(), []
+
+    def late(chunk):
+        with lock:
+            k = len(started)
+            started.append(k)
+        if k % 3 == 0:
+            time.sleep(0.01)
+        return compress(chunk)
+
+    monkeypatch.setattr(_ckpt_container, "_compress", late)
+
+
+def _opened_with_direct_io(monkeypatch):
+    """Record whether each file ``os.open`` opens for writing asks for direct I/O."""
+    real, flags = os.open, []
+
+    def spy(path, flag, *args, **kwargs):
+        if flag & os.O_WRONLY:
+            flags.append(bool(flag & os.O_DIRECT))
+        return real(path, flag, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spy)
+    return flags
+
+
+OBJ_OF_MANY_CHUNKS = {
+    "noise": np.random.default_rng(1).random(20_000),  # stored raw
+    "ramp": np.tile(np.arange(256, dtype=np.uint8), 700),  # compressed
+    "tail": np.arange(1001, dtype=np.int16),
+}
+
+
+def test_direct_io_dump_stages_out_of_order_chunks_in_file_order(tmp_path, monkeypatch):
+    with small_chunks(chunk_size=1024, small=256):
+        expected = utils.dumps(OBJ_OF_MANY_CHUNKS)
+        monkeypatch.setattr(_ckpt_files._DirectWriter, "BLOCK", 8192)  # many full blocks
+        _late_every_third(monkeypatch)
+        flags = _opened_with_direct_io(monkeypatch)
+        for _ in range(2):  # a new file, then one replacing it
+            utils.dump(OBJ_OF_MANY_CHUNKS, tmp_path / "ckpt")
+    assert flags == [True, True]
+    assert len(expected) > 10 * 8192 and len(expected) % 4096  # full blocks and a padded tail
+    assert (tmp_path / "ckpt").read_bytes() == expected  # padding cut off, every byte in place
+    assert_tree_equal(utils.load(tmp_path / "ckpt", safe=True), OBJ_OF_MANY_CHUNKS)
+
+
+def test_dump_without_direct_io_or_without_threads(tmp_path, monkeypatch):
+    expected = utils.dumps(OBJ_OF_MANY_CHUNKS)
+    real = os.open
+
+    def no_direct_io(path, flags, *args, **kwargs):
+        # stands in for a file system that refuses O_DIRECT: this machine's all accept it
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "open", no_direct_io)
+        utils.dump(OBJ_OF_MANY_CHUNKS, tmp_path / "buffered")
+    assert (tmp_path / "buffered").read_bytes() == expected
+
+    def no_threads(self):
+        # as while the interpreter exits (a dump from an atexit handler)
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    with monkeypatch.context() as m:
+        m.setattr(threading.Thread, "start", no_threads)
+        utils.dump(OBJ_OF_MANY_CHUNKS, tmp_path / "threadless")
+    assert (tmp_path / "threadless").read_bytes() == expected
+    assert sorted(os.listdir(tmp_path)) == ["buffered", "threadless"]
+
+
+def test_a_failed_direct_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    utils.dump({"version": "old"}, path)
+    old = path.read_bytes()
+    real, writes = os.pwrite, []
+
+    def disk_full(fd, data, offset):
+        writes.append(offset)
+        if len(writes) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(_ckpt_files._DirectWriter, "BLOCK", 8192)
+    monkeypatch.setattr(os, "pwrite", disk_full)
+    with small_chunks(chunk_size=1024, small=256), pytest.raises(OSError, match="No space"):
+        utils.dump(OBJ_OF_MANY_CHUNKS, path)
+    assert len(writes) == 3  # the writer stopped at the first failure
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert path.read_bytes() == old
+    assert not [t for t in threading.enumerate() if t.name == "checkpoint-writer"]
 
 
 # -- registered types ----------------------------------------------------------------------
