@@ -149,7 +149,10 @@ class _DirectWriter:
     writes each full block straight to the disk while the next chunks are compressed.
     Direct I/O skips the copy into the page cache, whose cost grows with what other writers
     left there. The last block is padded to the alignment, written, and the file cut to its
-    size. At most ``QUEUE + 2`` blocks are held (a few MiB): placing waits for the disk.
+    size. A file system that opens with ``O_DIRECT`` but refuses its writes (``EINVAL``)
+    gets the rest written buffered. Memory: the block being filled, ``QUEUE`` full blocks
+    waiting, one being written, and at most two per placing thread that waits for room in
+    the queue (placing waits for the disk).
 
     Use as a context manager: leaving it stops the thread, after an error too.
     """
@@ -178,9 +181,7 @@ class _DirectWriter:
         try:
             return cls(fd)
         except RuntimeError:
-            import fcntl
-
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            _buffered(fd)
             return None
 
     def __enter__(self) -> _DirectWriter:
@@ -232,14 +233,33 @@ class _DirectWriter:
             block, n, offset = job
             if self._error is None:
                 try:
-                    with memoryview(block) as view:
-                        done = 0
-                        while done < n:
-                            done += os.pwrite(self._fd, view[done:n], offset + done)
+                    self._write(block, n, offset)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        self._error = e
+                    else:  # direct I/O opened but refused (alignment): write buffered
+                        try:
+                            _buffered(self._fd)
+                            self._write(block, n, offset)
+                        except BaseException as e2:
+                            self._error = e2
                 except BaseException as e:  # raised in the placing threads
                     self._error = e
             with self._lock:
                 self._free.append(block)
+
+    def _write(self, block: mmap.mmap, n: int, offset: int) -> None:
+        with memoryview(block) as view:
+            done = 0
+            while done < n:
+                done += os.pwrite(self._fd, view[done:n], offset + done)
+
+
+def _buffered(fd: int) -> None:
+    """Switch ``fd`` from direct to buffered writes."""
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
 
 
 @contextlib.contextmanager

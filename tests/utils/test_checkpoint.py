@@ -471,7 +471,26 @@ def test_dump_without_direct_io_or_without_threads(tmp_path, monkeypatch):
         m.setattr(threading.Thread, "start", no_threads)
         utils.dump(OBJ_OF_MANY_CHUNKS, tmp_path / "threadless")
     assert (tmp_path / "threadless").read_bytes() == expected
-    assert sorted(os.listdir(tmp_path)) == ["buffered", "threadless"]
+
+    import fcntl
+
+    real_pwrite, refused = os.pwrite, []
+
+    def direct_writes_refused(fd, data, offset):
+        # stands in for a file system that opens with O_DIRECT but refuses its writes
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    with monkeypatch.context() as m, small_chunks(chunk_size=1024, small=256):
+        expected_small = utils.dumps(OBJ_OF_MANY_CHUNKS)
+        m.setattr(_ckpt_files._DirectWriter, "BLOCK", 8192)
+        m.setattr(os, "pwrite", direct_writes_refused)
+        utils.dump(OBJ_OF_MANY_CHUNKS, tmp_path / "refused")
+    assert refused == [0]  # the first write was refused, the rest went buffered
+    assert (tmp_path / "refused").read_bytes() == expected_small
+    assert sorted(os.listdir(tmp_path)) == ["buffered", "refused", "threadless"]
 
 
 def test_a_failed_direct_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_path, monkeypatch):
