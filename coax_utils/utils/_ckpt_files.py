@@ -99,17 +99,10 @@ def atomic_write(path: str, write_all: Callable[[Callable[[int, Any], None]], No
         mode = 0o666 & ~_umask()
     remove_stale_temps(dirname)
     tmp = temp_name(dirname)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    direct = getattr(os, "O_DIRECT", 0)
-    try:
-        fd = os.open(tmp, flags | direct, 0o600)
-    except OSError as e:  # a file system without direct I/O (e.g. tmpfs)
-        if not direct or e.errno != errno.EINVAL:
-            raise
-        direct, fd = 0, os.open(tmp, flags, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
         try:
-            writer = _DirectWriter.start(fd) if direct else None
+            writer = _DirectWriter.start(fd)
             if writer is not None:
                 with writer:
                     write_all(writer.place)
@@ -142,7 +135,7 @@ def _place(fd: int, offset: int, piece: Any) -> None:
 
 
 class _DirectWriter:
-    """Writes a file opened with ``O_DIRECT`` from pieces placed at any offsets.
+    """Writes a file with direct I/O (``O_DIRECT``) from pieces placed at any offsets.
 
     The pieces (given from several threads, in any order, together covering the file from
     0) are copied in file order into page-aligned staging blocks, and a thread of its own
@@ -171,13 +164,24 @@ class _DirectWriter:
         self._fill = 0
         self._queue: queue.Queue = queue.Queue(self.QUEUE)
         self._error: BaseException | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._drain, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
     @classmethod
     def start(cls, fd: int) -> _DirectWriter | None:
-        """A writer for ``fd``; None, with ``fd`` switched to buffered writes, when no thread
-        can start (a dump from an ``atexit`` handler while the interpreter exits)."""
+        """A writer for ``fd`` (opened for buffered writes), switched to direct I/O; None,
+        with ``fd`` left buffered, where the file system refuses direct I/O (e.g. ramfs) or
+        no thread can start (a dump from an ``atexit`` handler while the interpreter exits).
+        """
+        if not hasattr(os, "O_DIRECT"):
+            return None
+        import fcntl
+
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        except OSError:
+            return None
         try:
             return cls(fd)
         except RuntimeError:
@@ -188,7 +192,10 @@ class _DirectWriter:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._queue.put(None)
+        # one attribute store first: the thread ends even if an interrupt stops the rest
+        self._closed = True
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
         self._thread.join()
 
     def place(self, offset: int, piece: Any) -> None:
@@ -229,9 +236,17 @@ class _DirectWriter:
             raise self._error
 
     def _drain(self) -> None:
-        while (job := self._queue.get()) is not None:
+        while True:
+            try:
+                job = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                if self._closed:
+                    return
+                continue
+            if job is None:
+                return
             block, n, offset = job
-            if self._error is None:
+            if self._error is None and not self._closed:  # closed: a dump that failed
                 try:
                     self._write(block, n, offset)
                 except OSError as e:

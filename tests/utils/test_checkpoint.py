@@ -4,6 +4,7 @@ import collections
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import json
 import os
 import pathlib
@@ -414,17 +415,16 @@ def _late_every_third(monkeypatch):
     monkeypatch.setattr(_ckpt_container, "_compress", late)
 
 
-def _opened_with_direct_io(monkeypatch):
-    """Record whether each file ``os.open`` opens for writing asks for direct I/O."""
-    real, flags = os.open, []
+def _direct_writers(monkeypatch):
+    """Record, for each direct writer made, whether its file is set to direct I/O."""
+    real, made = _ckpt_files._DirectWriter.__init__, []
 
-    def spy(path, flag, *args, **kwargs):
-        if flag & os.O_WRONLY:
-            flags.append(bool(flag & os.O_DIRECT))
-        return real(path, flag, *args, **kwargs)
+    def spy(self, fd):
+        made.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+        real(self, fd)
 
-    monkeypatch.setattr(os, "open", spy)
-    return flags
+    monkeypatch.setattr(_ckpt_files._DirectWriter, "__init__", spy)
+    return made
 
 
 OBJ_OF_MANY_CHUNKS = {
@@ -439,10 +439,10 @@ def test_direct_io_dump_stages_out_of_order_chunks_in_file_order(tmp_path, monke
         expected = utils.dumps(OBJ_OF_MANY_CHUNKS)
         monkeypatch.setattr(_ckpt_files._DirectWriter, "BLOCK", 8192)  # many full blocks
         _late_every_third(monkeypatch)
-        flags = _opened_with_direct_io(monkeypatch)
+        made = _direct_writers(monkeypatch)
         for _ in range(2):  # a new file, then one replacing it
             utils.dump(OBJ_OF_MANY_CHUNKS, tmp_path / "ckpt")
-    assert flags == [True, True]
+    assert made == [True, True]
     assert len(expected) > 10 * 8192 and len(expected) % 4096  # full blocks and a padded tail
     assert (tmp_path / "ckpt").read_bytes() == expected  # padding cut off, every byte in place
     assert_tree_equal(utils.load(tmp_path / "ckpt", safe=True), OBJ_OF_MANY_CHUNKS)
@@ -450,17 +450,20 @@ def test_direct_io_dump_stages_out_of_order_chunks_in_file_order(tmp_path, monke
 
 def test_dump_without_direct_io_or_without_threads(tmp_path, monkeypatch):
     expected = utils.dumps(OBJ_OF_MANY_CHUNKS)
-    real = os.open
+    real_fcntl = fcntl.fcntl
 
-    def no_direct_io(path, flags, *args, **kwargs):
-        # stands in for a file system that refuses O_DIRECT: this machine's all accept it
-        if flags & os.O_DIRECT:
+    def no_direct_io(fd, cmd, arg=0):
+        # stands in for a file system that refuses O_DIRECT (ramfs does, as Linux's own
+        # check in fcntl shows; mounting one needs root): the file systems here accept it
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real(path, flags, *args, **kwargs)
+        return real_fcntl(fd, cmd, arg)
 
     with monkeypatch.context() as m:
-        m.setattr(os, "open", no_direct_io)
+        m.setattr(fcntl, "fcntl", no_direct_io)
+        made = _direct_writers(m)
         utils.dump(OBJ_OF_MANY_CHUNKS, tmp_path / "buffered")
+    assert made == []
     assert (tmp_path / "buffered").read_bytes() == expected
 
     def no_threads(self):
@@ -471,8 +474,6 @@ def test_dump_without_direct_io_or_without_threads(tmp_path, monkeypatch):
         m.setattr(threading.Thread, "start", no_threads)
         utils.dump(OBJ_OF_MANY_CHUNKS, tmp_path / "threadless")
     assert (tmp_path / "threadless").read_bytes() == expected
-
-    import fcntl
 
     real_pwrite, refused = os.pwrite, []
 
@@ -513,6 +514,18 @@ def test_a_failed_direct_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert path.read_bytes() == old
     assert not [t for t in threading.enumerate() if t.name == "checkpoint-writer"]
+
+
+def test_the_writer_thread_ends_when_its_stop_message_is_lost(tmp_path):
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        writer = _ckpt_files._DirectWriter.start(fd)
+        assert writer is not None and writer._thread.is_alive()
+        writer._closed = True  # as when an interrupt lands in __exit__ right after this line
+        writer._thread.join(timeout=5)
+        assert not writer._thread.is_alive()
+    finally:
+        os.close(fd)
 
 
 # -- registered types ----------------------------------------------------------------------
