@@ -142,8 +142,8 @@ class _DirectWriter:
     writes each full block straight to the disk while the next chunks are compressed.
     Direct I/O skips the copy into the page cache, whose cost grows with what other writers
     left there. The last block is padded to the alignment, written, and the file cut to its
-    size. A file system that opens with ``O_DIRECT`` but refuses its writes (``EINVAL``)
-    gets the rest written buffered. Memory: the block being filled, ``QUEUE`` full blocks
+    size. A file system that takes ``O_DIRECT`` but refuses its writes (``EINVAL``) gets
+    the rest written buffered. Memory: the block being filled, ``QUEUE`` full blocks
     waiting, one being written, and at most two per placing thread that waits for room in
     the queue (placing waits for the disk).
 
@@ -252,7 +252,7 @@ class _DirectWriter:
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         self._error = e
-                    else:  # direct I/O opened but refused (alignment): write buffered
+                    else:  # direct I/O set but its writes refused: write buffered
                         try:
                             _buffered(self._fd)
                             self._write(block, n, offset)
