@@ -314,32 +314,36 @@ class _FrameStacks:
         """``batch_size`` transitions drawn by ``_draw`` among those that have all their
         frames, stacks rebuilt; ``weighted``: ``W`` times the importance weights."""
         slots = self._draw(batch_size)
-        _, _, s, s_next = self._positions_of_ids()
         # the frame ids come with the rest of the transitions, in one pass over their rows
         leaves = super()._gather_leaves(slots)  # type: ignore[misc]
-        ids = np.concatenate((leaves[s], leaves[s_next]))
+        ids = self._frame_ids(leaves)
         if ids.min() < self._frame_count - self._frame_capacity:  # some lost frames
             slots = self._redraw_dead(slots)
             leaves = super()._gather_leaves(slots)  # type: ignore[misc]
-            ids = np.concatenate((leaves[s], leaves[s_next]))
+            ids = self._frame_ids(leaves)
         if weighted:
             self._scale_weights(leaves, self._importance_weights(slots))  # type: ignore[attr-defined]
-        leaves[s], leaves[s_next] = self._stacks(ids)
+        self._put_stacks(leaves, ids)
         return self._out_treedef.unflatten(leaves)  # type: ignore[attr-defined]
 
     def _gather_leaves(
         self, slots: np.ndarray, W: np.ndarray | None = None, out: list | None = None
     ) -> list:
         leaves = super()._gather_leaves(slots, W, out)  # type: ignore[misc]
-        _, _, s, s_next = self._positions_of_ids()
-        leaves[s], leaves[s_next] = self._stacks(np.concatenate((leaves[s], leaves[s_next])))
+        self._put_stacks(leaves, self._frame_ids(leaves))
         return leaves
 
-    def _stacks(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The frame stacks ``S`` and ``S_next`` of ``n`` transitions from their frame ids.
+    def _frame_ids(self, leaves: list) -> np.ndarray:
+        """The frame ids of ``S`` then of ``S_next`` among a sample's ``leaves``, one array
+        of shape ``(2 * n, stack_size)``."""
+        _, _, s, s_next = self._positions_of_ids()
+        return np.concatenate((leaves[s], leaves[s_next]))
 
-        ``ids`` holds the ids of ``S`` then those of ``S_next``, shape ``(2 * n, stack_size)``
-        (it is overwritten). One gather copies every frame of both.
+    def _put_stacks(self, leaves: list, ids: np.ndarray) -> None:
+        """Put the frame stacks of ``S`` and ``S_next`` in place of their ids in ``leaves``.
+
+        ``ids`` comes from :meth:`_frame_ids` (and is overwritten). One gather copies every
+        frame of both.
         """
         frames = self._frames
         n, frame_shape = len(ids) // 2, frames.shape[1:]  # type: ignore[union-attr]
@@ -348,7 +352,8 @@ class _FrameStacks:
         np.take(
             frames, ids.reshape(-1), axis=0, out=stacks.reshape((-1,) + frame_shape), mode="clip"
         )
-        return stacks[:n], stacks[n:]
+        _, _, s, s_next = self._positions_of_ids()
+        leaves[s], leaves[s_next] = stacks[:n], stacks[n:]
 
     def __iter__(self) -> Iterator[TransitionBatch]:
         """Iterate over the stored transitions that have all their frames, oldest first."""

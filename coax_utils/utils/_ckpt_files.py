@@ -121,12 +121,17 @@ def atomic_write(path: str, write_all: Callable[[Callable[[int, Any], None]], No
     fsync_dir(dirname)
 
 
-def _place(fd: int, offset: int, piece: Any) -> None:
-    """Write ``piece`` at ``offset`` of the file (``os.pwrite``: safe from several threads)."""
-    view = memoryview(piece).cast("B")
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset`` (``os.pwrite`` may write less than asked)."""
     done = 0
     while done < view.nbytes:
         done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _place(fd: int, offset: int, piece: Any) -> None:
+    """Write ``piece`` at ``offset`` of the file (``os.pwrite``: safe from several threads)."""
+    view = memoryview(piece).cast("B")
+    _pwrite_all(fd, view, offset)
     if view.nbytes >= 1 << 20 and hasattr(os, "posix_fadvise"):
         # Start write-back of what is written, so the disk works while the next chunks
         # are compressed; the final fsync has less left to do.
@@ -176,16 +181,14 @@ class _DirectWriter:
         """
         if not hasattr(os, "O_DIRECT"):
             return None
-        import fcntl
-
         try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+            _set_direct(fd, True)
         except OSError:
             return None
         try:
             return cls(fd)
         except RuntimeError:
-            _buffered(fd)
+            _set_direct(fd, False)
             return None
 
     def __enter__(self) -> _DirectWriter:
@@ -254,7 +257,7 @@ class _DirectWriter:
                         self._error = e
                     else:  # direct I/O set but its writes refused: write buffered
                         try:
-                            _buffered(self._fd)
+                            _set_direct(self._fd, False)
                             self._write(block, n, offset)
                         except BaseException as e2:
                             self._error = e2
@@ -265,16 +268,15 @@ class _DirectWriter:
 
     def _write(self, block: mmap.mmap, n: int, offset: int) -> None:
         with memoryview(block) as view:
-            done = 0
-            while done < n:
-                done += os.pwrite(self._fd, view[done:n], offset + done)
+            _pwrite_all(self._fd, view[:n], offset)
 
 
-def _buffered(fd: int) -> None:
-    """Switch ``fd`` from direct to buffered writes."""
+def _set_direct(fd: int, on: bool) -> None:
+    """Switch ``fd`` to direct (``on``) or buffered writes; OSError where refused."""
     import fcntl
 
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
 
 
 @contextlib.contextmanager
