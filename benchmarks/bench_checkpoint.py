@@ -11,7 +11,9 @@ Variants, timed round robin (A B C A B C ...) after a warm-up:
   chunks with lz4 on threads, CRC-32; ``dump`` writes a temp file, fsyncs it and renames it,
   which coax does not do).
 - ``coax + fsync``: coax's ``dump`` followed by an ``os.fsync`` of the file (like with like).
-- ``write + fsync``: a bare write of coax_utils's bytes and an fsync: the disk's limit.
+- ``write + fsync``: a bare write of coax_utils's bytes over the file the last call wrote
+  (``O_TRUNC``, which frees its blocks) and an fsync: the disk's limit for replacing a
+  checkpoint, as ``dump`` does.
 - ``zstd-1 (2 threads)``: coax's expression with zstandard level 1 on 2 threads instead of
   lz4, to weigh a codec switch.
 

@@ -979,6 +979,65 @@ def test_dump_keeps_the_mode_bits_of_the_file_it_replaces(tmp_path):
     assert utils.load(path) == 3
 
 
+def test_the_replaced_file_is_freed_after_the_dump_returns(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    monkeypatch.setattr(_ckpt_files, "_FREE_LATER_BYTES", 1)  # every old file counts as large
+    real, held = _ckpt_files._close_later, []
+
+    def close_later(fd):
+        held.append(os.fstat(fd))
+        real(fd)
+
+    monkeypatch.setattr(_ckpt_files, "_close_later", close_later)
+    utils.dump({"version": "old"}, path)
+    assert held == []  # nothing replaced
+    old_inode = os.stat(path).st_ino
+    utils.dump({"version": "new"}, path)
+    [st] = held
+    assert (st.st_ino, st.st_nlink) == (old_inode, 0)  # the old file, already unlinked
+    for t in threading.enumerate():
+        if t.name == "checkpoint-free-old":
+            t.join(10)
+    assert not [t for t in threading.enumerate() if t.name == "checkpoint-free-old"]
+    assert utils.load(path) == {"version": "new"}
+
+
+def test_links_fifos_shared_and_small_files_are_replaced_the_ordinary_way(tmp_path):
+    big = tmp_path / "big"
+    big.write_bytes(bytes(_ckpt_files._FREE_LATER_BYTES))
+    fd = _ckpt_files._open_replaced(str(big))
+    assert fd is not None and os.fstat(fd).st_ino == os.stat(big).st_ino
+    os.close(fd)
+    (tmp_path / "small").write_bytes(b"x")
+    os.symlink(big, tmp_path / "link")
+    os.mkfifo(tmp_path / "fifo")
+    os.link(big, tmp_path / "second name")  # replacing one name of two frees nothing
+    for name in ["small", "link", "fifo", "second name", "missing"]:
+        assert _ckpt_files._open_replaced(str(tmp_path / name)) is None, name
+    for name in ["link", "fifo", "second name"]:
+        utils.dump({"name": name}, tmp_path / name)
+        assert utils.load(tmp_path / name) == {"name": name}
+    assert big.read_bytes() == bytes(_ckpt_files._FREE_LATER_BYTES)
+
+
+def test_a_failed_rename_keeps_the_old_file_and_closes_what_it_opened(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    monkeypatch.setattr(_ckpt_files, "_FREE_LATER_BYTES", 1)
+    utils.dump({"version": "old"}, path)
+    old = path.read_bytes()
+
+    def refuse(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    fds = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="cross-device"):
+        utils.dump({"version": "new"}, path)
+    assert set(os.listdir("/proc/self/fd")) == fds
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert path.read_bytes() == old
+
+
 KILLED_CHILD = textwrap.dedent(
     """
     import sys
