@@ -19,7 +19,8 @@ Variants, timed round robin (A B C A B C ...) after a warm-up:
 
 Run ``python benchmarks/bench_checkpoint.py`` (about 250 MB; a minute or two) or
 ``--quick`` (about 25 MB; a few seconds). ``--memory GB`` measures instead the peak memory
-of ``dump`` and ``load`` of a replay-like dict of ``GB`` gigabytes, each in a fresh process.
+of ``dump`` and ``load`` of a replay-like dict of ``GB`` gigabytes, each in a fresh process,
+and of the same arrays held by an object of no registered kind (the pickle section).
 """
 
 from __future__ import annotations
@@ -163,10 +164,10 @@ def write_fsync(data: bytes):
 
 
 _MEMORY_CHILD = """
-import os, sys, time
+import os, sys, time, types
 import numpy as np
 from coax_utils import utils
-gb, mode, path = float(sys.argv[1]), sys.argv[2], sys.argv[3]
+gb, mode, kind, path = float(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 def hwm():
     for line in open('/proc/self/status'):
         if line.startswith('VmHWM'):
@@ -179,34 +180,40 @@ if mode == 'dump':
         frames[i : i + 4096, ::7, ::5] = rng.integers(0, 255, frames[i : i + 4096, ::7, ::5].shape)
     obj = {'S': frames, 'Rn': rng.standard_normal(n).astype(np.float32)}
     size = frames.nbytes + obj['Rn'].nbytes
+    if kind == 'pickled':  # the same arrays in an object of no registered kind
+        obj = types.SimpleNamespace(**obj)
     base = hwm()
     t = time.perf_counter(); utils.dump(obj, path); t = time.perf_counter() - t
 else:
     base = hwm()
-    t = time.perf_counter(); obj = utils.load(path, safe=True); t = time.perf_counter() - t
+    t = time.perf_counter(); obj = utils.load(path, safe=kind == 'tree')
+    t = time.perf_counter() - t
+    obj = vars(obj) if kind == 'pickled' else obj
     size = obj['S'].nbytes + obj['Rn'].nbytes
 print(size, hwm() - base, t)
 """
 
 
 def memory(gb: float, folder: str | None) -> None:
-    """Peak memory of dump and load of a ``gb`` GB replay-like dict, each in a new process."""
+    """Peak memory of dump and load of a ``gb`` GB replay-like dict, each in a new process;
+    then of the same arrays in an object of no registered kind (the pickle section)."""
     import subprocess
 
     with tempfile.TemporaryDirectory(dir=folder) as d:
         path = os.path.join(d, "big.ckpt")
-        for mode in ("dump", "load"):
-            out = subprocess.run(
-                [sys.executable, "-c", _MEMORY_CHILD, str(gb), mode, path],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout.split()
-            size, extra, seconds = int(out[0]), int(out[1]), float(out[2])
-            print(
-                f"{mode:<5} {size / 2**30:.2f} GiB: peak extra memory {extra / 2**20:.0f} MiB "
-                f"= {extra / size:.3f}x the object ({seconds:.1f} s)"
-            )
+        for kind in ("tree", "pickled"):
+            for mode in ("dump", "load"):
+                out = subprocess.run(
+                    [sys.executable, "-c", _MEMORY_CHILD, str(gb), mode, kind, path],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout.split()
+                size, extra, seconds = int(out[0]), int(out[1]), float(out[2])
+                print(
+                    f"{mode:<5} {kind:<8} {size / 2**30:.2f} GiB: peak extra memory "
+                    f"{extra / 2**20:.0f} MiB = {extra / size:.3f}x the object ({seconds:.1f} s)"
+                )
 
 
 def run(variants: dict, repeats: int, settle=None) -> dict:

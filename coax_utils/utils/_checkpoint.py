@@ -4,7 +4,8 @@ A checkpoint (format version 2) is a container of byte segments (see ``_ckpt_con
 
 - segment 0: the structure of the object, as JSON (see ``_ckpt_tree`` for its nodes);
 - segment 1: the pickle section, a cloudpickle of the objects that are not plain data
-  (functions, foreign classes), empty when there are none;
+  (functions, foreign classes), empty when there are none; its large buffers (numpy
+  arrays' memory) are out of band, buffers of the data tree listed in ``pickle_buffers``;
 - segment 2: the small array buffers, one after the other;
 - segments 3, 4, ...: one large array buffer each.
 
@@ -40,6 +41,7 @@ from coax_utils.utils._ckpt_container import (
 )
 from coax_utils.utils._ckpt_files import as_path, atomic_write, open_regular_file
 from coax_utils.utils._ckpt_tree import (
+    SMALL,
     Decoder,
     Encoder,
     UnsafeCheckpointError,
@@ -87,14 +89,37 @@ def _rebuild_jax_key(data: Any, impl: str) -> jax.Array:
 def _segments(obj: Any) -> list[list[memoryview]]:
     """Encode ``obj``: the container's segments (errors surface before anything is written)."""
     encoder = Encoder()
-    structure = json.dumps(encoder.encode(obj), separators=(",", ":")).encode()
+    tree = encoder.encode(obj)
     pickled = b""
     if encoder.pickled:
-        pickled = cloudpickle.dumps(encoder.pickled, protocol=pickle.HIGHEST_PROTOCOL)
+        pickled, tree["pickle_buffers"] = _pickle(encoder)
+    structure = json.dumps(tree, separators=(",", ":")).encode()
     segments = encoder.segments
     segments[_STRUCTURE] = [memoryview(structure)]
     segments[_PICKLES] = [memoryview(pickled)]
     return segments
+
+
+def _pickle(encoder: Encoder) -> tuple[bytes, list[int]]:
+    """The pickle section of ``encoder``'s objects, and the buffers it refers to.
+
+    Large contiguous buffers (the memory of numpy arrays held by the pickled objects) go
+    out of band (pickle protocol 5): each becomes a buffer of the data tree, compressed in
+    chunks like the arrays of the tree, so neither the dump nor the load copies it whole.
+    """
+    out_of_band: list[int] = []
+
+    def in_band(buffer: pickle.PickleBuffer) -> bool:
+        try:
+            raw = buffer.raw()
+        except BufferError:  # not contiguous: the pickle holds a copy
+            return True
+        if raw.nbytes < SMALL:
+            return True
+        out_of_band.append(encoder.add_buffer(raw))
+        return False
+
+    return cloudpickle.dumps(encoder.pickled, protocol=5, buffer_callback=in_band), out_of_band
 
 
 _META = {"format": "coax_utils checkpoint", "coax_utils": __version__}
@@ -153,17 +178,18 @@ def _load_v2(data: Any, container: Any, safe: bool, source: str) -> Any:
         described = structure.get("pickled") if isinstance(structure, dict) else None
         first = described[0] if isinstance(described, list) and described else "?"
         raise _unsafe(source, f"an object that is not plain data ({str(first)[:200]!r})")
+    if isinstance(structure, dict) and "pickle_buffers" in structure and not sizes[_PICKLES]:
+        raise Corrupt("the structure names buffers of a pickle section the file does not have")
     segments = read_segments(data, container, segments_to_read(structure, sizes))
-    pickled = None
+    decoder = Decoder(structure, segments, None)
+    del segments  # the decoder hands each large buffer to its owner and drops it
     if not safe:
-        pickled = []
+        decoder.pickled = []
         if sizes[_PICKLES]:
             stream = read_segments(data, container, [_PICKLES])[_PICKLES]
-            pickled = _unpickle(stream)
-            if type(pickled) is not list:
+            decoder.pickled = _unpickle(stream, decoder.pickle_buffers())
+            if type(decoder.pickled) is not list:
                 raise Corrupt("the pickle section is not a list")
-    decoder = Decoder(structure, segments, pickled)
-    del segments  # the decoder hands each large buffer to its array and drops it
     return decoder.decode()
 
 

@@ -345,7 +345,8 @@ class Encoder:
         root = self.node(obj, 0)
         return {"root": root, "buffers": self.buffers, "pickled": self.descriptions}
 
-    def _buffer(self, raw: memoryview) -> int:
+    def add_buffer(self, raw: memoryview) -> int:
+        """Store the bytes ``raw`` (kept, not copied) as a buffer; return its number."""
         n = raw.nbytes
         if n < SMALL:
             ref = [FIRST_BUFFER_SEGMENT, self.pack_size, n]
@@ -384,7 +385,7 @@ class Encoder:
         else:
             data, order = np.ascontiguousarray(arr), "C"
         raw = memoryview(data.reshape(-1).view(np.uint8)) if arr.nbytes else memoryview(b"")
-        return desc, list(arr.shape), order, self._buffer(raw)
+        return desc, list(arr.shape), order, self.add_buffer(raw)
 
     def node(self, x: Any, depth: int) -> Any:
         t = type(x)
@@ -422,7 +423,7 @@ class Encoder:
 
     def _node(self, x: Any, t: type, depth: int) -> Any:
         if t is bytes or t is bytearray:
-            return ["y" if t is bytes else "Y", self._buffer(memoryview(x).cast("B"))]
+            return ["y" if t is bytes else "Y", self.add_buffer(memoryview(x).cast("B"))]
         if t is list or t is set or t is frozenset or t is tuple:
             tag = {list: "l", set: "S", frozenset: "F", tuple: "t"}[t]
             if t is tuple:  # defined once built: a tuple cannot contain itself directly
@@ -545,7 +546,8 @@ class Decoder:
 
     def __init__(self, structure: Any, segments: dict, pickled: list | None) -> None:
         _load_builtins()
-        if type(structure) is not dict or set(structure) != {"root", "buffers", "pickled"}:
+        keys = {"root", "buffers", "pickled"}
+        if type(structure) is not dict or not keys <= set(structure) <= {*keys, "pickle_buffers"}:
             raise ValueError("the structure is not a checkpoint tree")
         self.structure = structure
         self.segments = segments
@@ -562,17 +564,24 @@ class Decoder:
         self.memo[mid] = obj
         return obj
 
-    def _buffer(self, b: Any, nbytes: int) -> np.ndarray:
+    def pickle_buffers(self) -> list[np.ndarray]:
+        """The out-of-band buffers of the pickle section, in order (each used once)."""
+        refs = self.structure.get("pickle_buffers", [])
+        if type(refs) is not list:
+            raise ValueError("the pickle buffers are not a list of buffer numbers")
+        return [self._buffer(b) for b in refs]
+
+    def _buffer(self, b: Any, nbytes: int | None = None) -> np.ndarray:
         if type(b) is not int or not 0 <= b < len(self.buffers):
             raise ValueError(f"buffer {b!r} does not exist")
         seg, off, n = self.buffers[b]
-        if n != nbytes:
+        if nbytes is not None and n != nbytes:
             raise ValueError(f"buffer {b} holds {n} bytes, its node needs {nbytes}")
         if seg == FIRST_BUFFER_SEGMENT:
             return self.segments[seg][off : off + n].copy()
         if seg not in self.segments:
             raise ValueError(f"buffer {b} is used twice")
-        return self.segments.pop(seg)  # the array becomes the only owner of the segment
+        return self.segments.pop(seg)  # its array becomes the only owner of the segment
 
     def _shape(self, shape: Any) -> tuple[int, ...]:
         if type(shape) is not list or len(shape) > 64:

@@ -891,6 +891,80 @@ def test_buffers_must_lie_inside_their_segments_and_own_them():
         utils.loads(data, safe=True)
 
 
+class Holder:
+    """A class of no registered kind: it goes to the pickle section."""
+
+    def __init__(self, **arrays):
+        self.__dict__.update(arrays)
+
+
+def test_large_buffers_of_pickled_objects_are_stored_out_of_band(tmp_path):
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((300, 200)).astype(np.float32)
+    frozen = np.arange(50_000, dtype=np.int64)
+    frozen.flags.writeable = False
+    holder = Holder(
+        big=big,
+        same=big,  # one array, twice
+        fortran=np.asfortranarray(rng.random((200, 100))),
+        strided=big[:, ::2],  # not contiguous: copied into the pickle
+        frozen=frozen,
+        blob=bytearray(b"\x01" * 1000),
+        small=np.arange(3),
+    )
+    data = utils.dumps({"holder": holder, "data": np.ones(70_000)})
+    source = _ckpt_container.MemorySource(memoryview(data))
+    container = _ckpt_container.parse(source, 2)
+    structure = json.loads(_ckpt_container.read_segments(source, container, [0])[0].tobytes())
+    assert len(structure["pickle_buffers"]) == 3  # big, fortran, frozen
+    assert container.segments[1][0] < 130_000  # the pickle holds the strided copy, not more
+    utils.dump({"holder": holder}, tmp_path / "h.ckpt")
+    for restored in (utils.loads(data), utils.load(tmp_path / "h.ckpt")):
+        h = restored["holder"]
+        for name, value in vars(holder).items():
+            assert type(getattr(h, name)) is type(value)
+            np.testing.assert_array_equal(getattr(h, name), value)
+        assert h.same is h.big and h.big.flags.writeable and not h.frozen.flags.writeable
+        assert h.fortran.flags.f_contiguous and h.fortran.dtype == np.float64
+    np.testing.assert_array_equal(utils.loads(data)["data"], np.ones(70_000))
+    with pytest.raises(utils.UnsafeCheckpointError):
+        utils.loads(data, safe=True)
+
+
+def test_pickle_buffers_are_checked_like_every_buffer():
+    big = bytes(100_000)
+    pickled = pickle.dumps(
+        [np.frombuffer(big, np.uint8)], protocol=5, buffer_callback=lambda b: False
+    )
+    good = tree(["p", 0], [[3, 0, len(big)]], ["numpy.ndarray"])
+    assert utils.loads(forge({**good, "pickle_buffers": [0]}, [b"", big], pickled)).nbytes == (
+        len(big)
+    )
+    cases = {
+        "not a list": ({"pickle_buffers": 0}, pickled, "not a list"),
+        "missing buffer": ({"pickle_buffers": [1]}, pickled, "does not exist"),
+        "too few buffers": ({"pickle_buffers": []}, pickled, "pickle is damaged"),
+        "no pickle section": ({"pickle_buffers": [0]}, b"", "does not have"),
+        "unknown key": ({"pickle_buffers": [0], "more": 1}, pickled, "not a checkpoint tree"),
+    }
+    for name, (extra, section, message) in cases.items():
+        data = forge({**good, **extra}, [b"", big], section)
+        for safe in (False, True):
+            if safe and section:
+                with pytest.raises(utils.UnsafeCheckpointError):
+                    utils.loads(data, safe=True)
+                continue
+            with pytest.raises(ValueError, match="not a valid coax_utils checkpoint") as e:
+                utils.loads(data, safe=safe)
+            assert message in str(e.value), (name, str(e.value))
+    root = ["l", 0, [["p", 0], ["a", 1, "|u1", [len(big)], "C", 0]]]
+    used_twice = forge(
+        {**tree(root, [[3, 0, len(big)]], ["x"]), "pickle_buffers": [0]}, [b"", big], pickled
+    )
+    with pytest.raises(ValueError, match="used twice"):
+        utils.loads(used_twice)
+
+
 def test_json_nesting_and_number_bombs_are_value_errors():
     deep = "[" * 100_000 + "]" * 100_000
     data = _ckpt_container.container_bytes(
@@ -1086,36 +1160,41 @@ def test_temp_files_of_live_processes_are_left_alone(tmp_path):
 
 MEMORY_CHILD = textwrap.dedent(
     """
-    import sys
+    import sys, types
     import numpy as np
     from coax_utils import utils
     def hwm():
         for line in open('/proc/self/status'):
             if line.startswith('VmHWM'):
                 return int(line.split()[1]) * 1024
-    mode, path = sys.argv[1], sys.argv[2]
+    mode, kind, path = sys.argv[1], sys.argv[2], sys.argv[3]
     utils.loads(utils.dumps({"warm": np.ones(10)}), safe=True)
     if mode == "dump":
         rng = np.random.default_rng(0)
         obj = {"frames": np.zeros((3000, 84, 84, 4), np.uint8), "f": rng.random(4_000_000)}
         obj["frames"][:, ::9, ::7] = rng.integers(0, 255, obj["frames"][:, ::9, ::7].shape)
+        if kind == "pickled":  # a class of another package: the pickle section
+            obj = {"agent": types.SimpleNamespace(**obj)}
         base = hwm()
         utils.dump(obj, path)
     else:
         base = hwm()
-        obj = utils.load(path, safe=True)
-    print(obj["frames"].nbytes + obj["f"].nbytes, hwm() - base)
+        obj = utils.load(path, safe=kind == "tree")
+    arrays = vars(obj["agent"]) if kind == "pickled" else obj
+    assert all(a.flags.writeable for a in arrays.values())
+    print(arrays["frames"].nbytes + arrays["f"].nbytes, hwm() - base)
     """
 )
 
 
 @pytest.mark.slow
-def test_dump_and_load_memory_stay_within_their_bounds(tmp_path):
+@pytest.mark.parametrize("kind", ["tree", "pickled"])
+def test_dump_and_load_memory_stay_within_their_bounds(kind, tmp_path):
     path = str(tmp_path / "big.ckpt")
     peaks = {}
     for mode in ("dump", "load"):
         out = subprocess.run(
-            [sys.executable, "-c", MEMORY_CHILD, mode, path],
+            [sys.executable, "-c", MEMORY_CHILD, mode, kind, path],
             capture_output=True,
             text=True,
             timeout=300,
