@@ -492,13 +492,16 @@ class Encoder:
 def segments_to_read(structure: Any, segment_sizes: list[int]) -> list[int]:
     """Check the buffer table of a structure; return the segments its buffers use.
 
-    Small buffers lie inside the shared segment; every other buffer is a whole segment of
-    its own, used by no other buffer (so a restored array owns its memory).
+    Small buffers lie one after the other in the shared segment, in the order of the table;
+    every other buffer is a whole segment of its own, used by no other buffer (so a
+    restored array owns its memory). With each buffer used by one node only (checked by
+    :class:`Decoder`), what a file restores is no larger than its decompressed segments.
     """
     buffers = structure.get("buffers") if type(structure) is dict else None
     if type(buffers) is not list:
         raise ValueError("the structure has no buffer table")
     big: set[int] = set()
+    packed = 0  # where the next small buffer starts
     for ref in buffers:
         if type(ref) is not list or len(ref) != 3 or any(type(v) is not int for v in ref):
             raise ValueError(f"buffer entry {ref!r} is malformed")
@@ -506,7 +509,10 @@ def segments_to_read(structure: Any, segment_sizes: list[int]) -> list[int]:
         if not FIRST_BUFFER_SEGMENT <= seg < len(segment_sizes) or off < 0 or n < 0:
             raise ValueError(f"buffer entry {ref!r} points outside the segments")
         if seg == FIRST_BUFFER_SEGMENT:
-            if off + n > segment_sizes[seg]:
+            if off != packed:
+                raise ValueError(f"buffer entry {ref!r} does not follow the one before it")
+            packed += n
+            if packed > segment_sizes[seg]:
                 raise ValueError(f"buffer entry {ref!r} runs past the shared segment")
         elif off != 0 or n != segment_sizes[seg] or seg in big:
             raise ValueError(f"buffer entry {ref!r} is not a whole segment of its own")
@@ -554,6 +560,7 @@ class Decoder:
         self.pickled = pickled
         self.memo: dict[int, Any] = {}
         self.buffers = structure["buffers"]
+        self.used: set[int] = set()  # buffers taken: each by one node only
 
     def decode(self) -> Any:
         return self.node(self.structure["root"], 0)
@@ -577,10 +584,11 @@ class Decoder:
         seg, off, n = self.buffers[b]
         if nbytes is not None and n != nbytes:
             raise ValueError(f"buffer {b} holds {n} bytes, its node needs {nbytes}")
+        if b in self.used:
+            raise ValueError(f"buffer {b} is used twice")
+        self.used.add(b)
         if seg == FIRST_BUFFER_SEGMENT:
             return self.segments[seg][off : off + n].copy()
-        if seg not in self.segments:
-            raise ValueError(f"buffer {b} is used twice")
         return self.segments.pop(seg)  # its array becomes the only owner of the segment
 
     def _shape(self, shape: Any) -> tuple[int, ...]:

@@ -880,15 +880,20 @@ def test_buffers_must_lie_inside_their_segments_and_own_them():
         [[9, 0, 1]],  # no such segment
         [[1, 0, 0]],  # the pickle section is not a buffer
         [["2", 0, 1]],
+        [[2, 0, 4], [2, 0, 4]],  # small buffers that overlap
+        [[2, 4, 4]],  # a gap before a small buffer
     ]
     for table in bad_tables:
         data = forge(tree(None, table), [bytes(8), big])
         with pytest.raises(ValueError, match="buffer entry"):
             utils.loads(data, safe=True)
-    root = ["l", 0, [["a", 1, "|u1", [len(big)], "C", 0], ["a", 2, "|u1", [len(big)], "C", 0]]]
-    data = forge(tree(root, [[3, 0, len(big)]]), [b"", big])
-    with pytest.raises(ValueError, match="used twice"):
-        utils.loads(data, safe=True)
+    for segment in (0, 3):  # a 60 kB buffer made 120 MB by a 10 kB file: refused
+        root = ["l", 0, [["a", i + 1, "|u1", [60_000], "C", 0] for i in range(2000)]]
+        buffers = [[2, 0, 60_000]] if segment == 0 else [[3, 0, 60_000]]
+        data = forge(tree(root, buffers), [bytes(60_000) if segment == 0 else b"", bytes(60_000)])
+        assert len(data) < 20_000
+        with pytest.raises(ValueError, match="used twice"):
+            utils.loads(data, safe=True)
 
 
 class Holder:
