@@ -187,7 +187,8 @@ def _load_v2(data: Any, container: Any, safe: bool, source: str) -> Any:
         decoder.pickled = []
         if sizes[_PICKLES]:
             stream = read_segments(data, container, [_PICKLES])[_PICKLES]
-            decoder.pickled = _unpickle(stream, decoder.pickle_buffers())
+            buffers = [pickle.PickleBuffer(b) for b in decoder.pickle_buffers()]  # as dumped
+            decoder.pickled = _unpickle(stream, buffers)
             if type(decoder.pickled) is not list:
                 raise Corrupt("the pickle section is not a list")
     return decoder.decode()

@@ -903,6 +903,16 @@ class Holder:
         self.__dict__.update(arrays)
 
 
+class Raw:
+    """Bytes handed to pickle as a buffer of their own (protocol 5)."""
+
+    def __init__(self, data):
+        self.data = bytes(data)
+
+    def __reduce_ex__(self, protocol):
+        return Raw, (pickle.PickleBuffer(self.data),)
+
+
 def test_large_buffers_of_pickled_objects_are_stored_out_of_band(tmp_path):
     rng = np.random.default_rng(0)
     big = rng.standard_normal((300, 200)).astype(np.float32)
@@ -916,19 +926,22 @@ def test_large_buffers_of_pickled_objects_are_stored_out_of_band(tmp_path):
         frozen=frozen,
         blob=bytearray(b"\x01" * 1000),
         small=np.arange(3),
+        raw=Raw(b"raw" * 30_000),
     )
     data = utils.dumps({"holder": holder, "data": np.ones(70_000)})
     source = _ckpt_container.MemorySource(memoryview(data))
     container = _ckpt_container.parse(source, 2)
     structure = json.loads(_ckpt_container.read_segments(source, container, [0])[0].tobytes())
-    assert len(structure["pickle_buffers"]) == 3  # big, fortran, frozen
+    assert len(structure["pickle_buffers"]) == 4  # big, fortran, frozen, raw
     assert container.segments[1][0] < 130_000  # the pickle holds the strided copy, not more
     utils.dump({"holder": holder}, tmp_path / "h.ckpt")
     for restored in (utils.loads(data), utils.load(tmp_path / "h.ckpt")):
         h = restored["holder"]
         for name, value in vars(holder).items():
             assert type(getattr(h, name)) is type(value)
-            np.testing.assert_array_equal(getattr(h, name), value)
+            if name != "raw":
+                np.testing.assert_array_equal(getattr(h, name), value)
+        assert h.raw.data == holder.raw.data
         assert h.same is h.big and h.big.flags.writeable and not h.frozen.flags.writeable
         assert h.fortran.flags.f_contiguous and h.fortran.dtype == np.float64
     np.testing.assert_array_equal(utils.loads(data)["data"], np.ones(70_000))
