@@ -181,7 +181,9 @@ def _load_v2(data: Any, container: Any, safe: bool, source: str) -> Any:
     if isinstance(structure, dict) and "pickle_buffers" in structure and not sizes[_PICKLES]:
         raise Corrupt("the structure names buffers of a pickle section the file does not have")
     segments = read_segments(data, container, segments_to_read(structure, sizes))
-    decoder = Decoder(structure, segments, None)
+    # references may stand for 16 nodes per byte of structure (1M at least): far more than
+    # honest sharing needs, far less than a forged tree of references doubling at each level
+    decoder = Decoder(structure, segments, None, budget=16 * raw.nbytes + (1 << 20))
     del segments  # the decoder hands each large buffer to its owner and drops it
     if not safe:
         decoder.pickled = []

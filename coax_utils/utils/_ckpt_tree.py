@@ -339,6 +339,7 @@ class Encoder:
         self.memo: dict[int, int] = {}
         self.keep: list[Any] = []  # memoized objects stay alive, so their ids stay unique
         self.active: set[int] = set()
+        self.in_state = 0  # inside the state of a stateful object or a numpy RNG
         self.path: list[str] = []
 
     def encode(self, obj: Any) -> dict:
@@ -360,9 +361,17 @@ class Encoder:
 
     def _define(self, obj: Any) -> int:
         mid = len(self.keep)
-        self.memo[id(obj)] = mid
+        if not self.in_state:  # a state is written whole: no references into or out of it
+            self.memo[id(obj)] = mid
         self.keep.append(obj)
         return mid
+
+    def _state(self, state: Any, depth: int) -> Any:
+        self.in_state += 1
+        try:
+            return self.node(state, depth)
+        finally:
+            self.in_state -= 1
 
     def _pickle(self, obj: Any) -> list:
         i = len(self.pickled)
@@ -396,9 +405,11 @@ class Encoder:
         if t is complex:
             return ["c", x.real, x.imag]
         key = id(x)
-        if key in self.memo:
-            mid = self.memo[key]
-            return ["@", mid] if mid >= 0 else ["p", -1 - mid]
+        mid = self.memo.get(key)
+        if mid is not None and mid < 0:
+            return ["p", -1 - mid]
+        if mid is not None and not self.in_state:
+            return ["@", mid]
         if key in self.active or depth >= MAX_DEPTH:
             return self._pickle(x)  # a cycle through an immutable object, or too deep
         self.active.add(key)
@@ -455,9 +466,9 @@ class Encoder:
             name = type(bg).__name__
             if _BIT_GENERATORS.get(name, (None,))[0] is not type(bg):
                 return None
-            return ["g", self._define(x), name, self.node(bg.state, depth)]
+            return ["g", self._define(x), name, self._state(bg.state, depth)]
         if t is np.random.RandomState:
-            return ["r", self._define(x), self.node(x.get_state(legacy=False), depth)]
+            return ["r", self._define(x), self._state(x.get_state(legacy=False), depth)]
         name = _name_of.get(t)
         if name is None:
             return None
@@ -471,7 +482,7 @@ class Encoder:
         state = x.__checkpoint_state__()
         if type(state) is not dict:
             raise TypeError(f"{t.__qualname__}.__checkpoint_state__ must return a dict")
-        return ["o", self._define(x), name, self.node(state, depth)]
+        return ["o", self._define(x), name, self._state(state, depth)]
 
     def _jax(self, x: jax.Array, depth: int) -> Any:
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -522,6 +533,7 @@ def segments_to_read(structure: Any, segment_sizes: list[int]) -> list[int]:
 
 
 _KEY_SHAPES = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
+_DEFINING = frozenset("ltSFdOajkgrno")  # tags whose second field is the object's id
 _CONTAINER_TAGS = {"l": list, "S": set, "F": frozenset, "t": tuple}
 
 
@@ -550,7 +562,7 @@ class Decoder:
         The objects of the pickle section (None: refuse ``"p"`` nodes).
     """
 
-    def __init__(self, structure: Any, segments: dict, pickled: list | None) -> None:
+    def __init__(self, structure: Any, segments: dict, pickled: list | None, budget: int) -> None:
         _load_builtins()
         keys = {"root", "buffers", "pickled"}
         if type(structure) is not dict or not keys <= set(structure) <= {*keys, "pickle_buffers"}:
@@ -561,6 +573,14 @@ class Decoder:
         self.memo: dict[int, Any] = {}
         self.buffers = structure["buffers"]
         self.used: set[int] = set()  # buffers taken: each by one node only
+        # References ("@") are checked as if each copied what it refers to: the nodes so
+        # counted stay within ``budget`` and their nesting within MAX_DEPTH, so that no
+        # hash, repr or comparison of the result can take more than the file warrants.
+        self.budget = budget
+        self.spent = 0
+        self.extent: dict[int, tuple[int, int]] = {}  # object id -> (nodes, height)
+        self.reach = 0  # the deepest level reached in the node being decoded
+        self.in_state = 0  # inside a state that a checked constructor rebuilds
 
     def decode(self) -> Any:
         return self.node(self.structure["root"], 0)
@@ -568,8 +588,24 @@ class Decoder:
     def _define(self, mid: Any, obj: Any) -> Any:
         if type(mid) is not int or mid in self.memo:
             raise ValueError(f"object id {mid!r} is not a new integer id")
-        self.memo[mid] = obj
+        if not self.in_state:  # no reference may reach into a state
+            self.memo[mid] = obj
         return obj
+
+    def _state(self, state: Any, depth: int) -> Any:
+        self.in_state += 1
+        try:
+            return self.node(state, depth)
+        finally:
+            self.in_state -= 1
+
+    def _spend(self, nodes: int) -> None:
+        self.spent += nodes
+        if self.spent > self.budget:
+            raise ValueError(
+                f"the data, counting each reference as a copy, has more than {self.budget} "
+                "nodes, more than a file of this size holds"
+            )
 
     def pickle_buffers(self) -> list[np.ndarray]:
         """The out-of-band buffers of the pickle section, in order (each used once)."""
@@ -629,10 +665,20 @@ class Decoder:
             raise ValueError(f"malformed node of type {t.__name__}")
         if depth >= MAX_DEPTH + 2:
             raise ValueError(f"data nested deeper than {MAX_DEPTH} levels")
+        self._spend(1)
+        start, outer = self.spent, self.reach
+        self.reach = depth
         try:
-            return self._node(x[0], x[1:], depth + 1)
+            obj = self._node(x[0], x[1:], depth + 1)
         except (TypeError, KeyError, IndexError, OverflowError, AttributeError) as e:
-            raise ValueError(f"malformed {x[0]!r} node ({type(e).__name__}: {e})") from None
+            raise ValueError(
+                f"malformed {x[0]!r} node ({type(e).__name__}: {str(e)[:200]})"
+            ) from None
+        mid = x[1] if len(x) > 1 and x[0] in _DEFINING else None
+        if type(mid) is int and mid in self.memo and mid not in self.extent:
+            self.extent[mid] = (1 + self.spent - start, self.reach - depth)
+        self.reach = max(outer, self.reach)
+        return obj
 
     def _args(self, tag: str, args: list, n: int) -> list:
         if len(args) != n:
@@ -652,8 +698,15 @@ class Decoder:
     def _node(self, tag: str, args: list, depth: int) -> Any:
         if tag == "@":
             (mid,) = self._args(tag, args, 1)
+            if self.in_state:
+                raise ValueError("a reference inside the state of a stateful object or RNG")
             if type(mid) is not int or mid not in self.memo:
                 raise ValueError(f"reference to undefined object {mid!r}")
+            nodes, height = self.extent.get(mid, (1, 0))  # (1, 0): still being built
+            self._spend(nodes)
+            self.reach = max(self.reach, depth + height)
+            if self.reach >= MAX_DEPTH + 2:
+                raise ValueError(f"data nested deeper than {MAX_DEPTH} levels (through references)")
             return self.memo[mid]
         if tag == "I":
             (h,) = self._args(tag, args, 1)
@@ -714,11 +767,11 @@ class Decoder:
             return self._define(mid, jax.random.wrap_key_data(data, impl=impl))
         if tag == "g":
             mid, name, state = self._args(tag, args, 3)
-            bg = _bit_generator(name, self.node(state, depth))
+            bg = _bit_generator(name, self._state(state, depth))
             return self._define(mid, np.random.Generator(bg))
         if tag == "r":
             mid, state = self._args(tag, args, 2)
-            return self._define(mid, _random_state(self.node(state, depth)))
+            return self._define(mid, _random_state(self._state(state, depth)))
         if tag == "n":
             return self._record(*self._args(tag, args, 3), depth)
         if tag == "o":
@@ -761,7 +814,7 @@ class Decoder:
         cls = self._registered(name)
         if not _is_stateful(cls):
             raise ValueError(f"type {name!r} is not a stateful checkpoint type")
-        state = self.node(state, depth)
+        state = self._state(state, depth)
         if type(state) is not dict:
             raise ValueError(f"the state of {name} is not a dict")
         try:

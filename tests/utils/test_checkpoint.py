@@ -983,6 +983,41 @@ def test_pickle_buffers_are_checked_like_every_buffer():
         utils.loads(used_twice)
 
 
+def test_references_count_as_what_they_stand_for():
+    # a chain of tuples, each holding the one before: shallow in the JSON, deep when built
+    chain = [["t", 1, []]] + [["t", i + 1, [["@", i]]] for i in range(1, 500)]
+    deep = tree(["l", 0, chain])
+    # each tuple holds the one before twice: 60 levels stand for 2**60 nodes
+    dag = [["t", 1, ["x"]]] + [["t", i + 1, [["@", i], ["@", i]]] for i in range(1, 60)]
+    wide = tree(["l", 0, [*dag, ["d", 99, [[["@", 60], 1]]]]])  # the last one as a dict key
+    for structure, message in [(deep, "nested deeper"), (wide, "counting each reference")]:
+        data = forge(structure, [b""])
+        assert len(data) < 10_000
+        with pytest.raises(ValueError, match=message):
+            utils.loads(data, safe=True)
+
+
+def test_states_are_written_whole_and_read_without_references():
+    shared = np.ones(3)
+    noise = utils.OrnsteinUhlenbeckNoise(mu=shared, sigma=shared, random_seed=1)
+    other = utils.OrnsteinUhlenbeckNoise(mu=shared, random_seed=2)
+    obj = {"a": shared, "noise": noise, "other": other, "again": shared}
+    restored = utils.loads(utils.dumps(obj), safe=True)
+    assert restored["again"] is restored["a"]
+    for name in ("noise", "other"):
+        np.testing.assert_array_equal(restored[name].mu, shared)
+        np.testing.assert_array_equal(restored[name](np.zeros(3)), obj[name](np.zeros(3)))
+    # a forged state that refers to an object outside it (several states could share it)
+    rng = ["d", 3, [["bit_generator", "PCG64"]]]
+    for root in (
+        ["l", 0, [["l", 1, []], ["o", 2, "coax_utils.utils.OrnsteinUhlenbeckNoise", ["@", 1]]]],
+        ["l", 0, [["l", 1, []], ["g", 2, "PCG64", ["d", 4, [["state", ["@", 1]]]]]]],
+        ["l", 0, [["l", 1, []], ["r", 2, ["d", 4, [["x", ["@", 1]], ["y", rng]]]]]],
+    ):
+        with pytest.raises(ValueError, match="a reference inside the state"):
+            utils.loads(forge(tree(root), [b""]), safe=True)
+
+
 def test_json_nesting_and_number_bombs_are_value_errors():
     deep = "[" * 100_000 + "]" * 100_000
     data = _ckpt_container.container_bytes(
