@@ -9,6 +9,7 @@ capacity or a seed is a mistake).
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,6 +20,7 @@ __all__ = [
     "check_float",
     "check_int",
     "check_seed",
+    "checked_dtype",
     "check_state_keys",
     "checked_indices",
     "is_int",
@@ -82,6 +84,21 @@ def check_seed(value: Any, name: str = "random_seed") -> int | None:
     if value is None:
         return None
     return check_int(value, name, low=0)
+
+
+_PLAIN_DTYPE = re.compile(r"[<>|=]?[biufcV][0-9]{1,2}\Z")
+
+
+def checked_dtype(desc: Any, name: str) -> np.dtype:
+    """The dtype a descriptor read from disk names, if it is a plain one: bool, integers,
+    floats, complex or raw bytes (e.g. ``"<f4"``, ``"|u1"``, ``"<V2"``); ValueError for
+    anything else. Other strings never reach numpy's parser, which has crashed on some."""
+    if type(desc) is not str or not _PLAIN_DTYPE.match(desc):
+        raise ValueError(f"{name} {desc!r:.40} is not the descriptor of a plain dtype")
+    try:
+        return np.dtype(desc)
+    except TypeError:
+        raise ValueError(f"{name} {desc!r} is not the descriptor of a plain dtype") from None
 
 
 def check_choice(value: Any, name: str, choices: Iterable[str]) -> str:

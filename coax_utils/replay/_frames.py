@@ -425,10 +425,11 @@ class _FrameStacks:
             and frames.shape[0] == frame_capacity
             and frames.dtype.kind in "biuf"
             and frames.flags.c_contiguous
+            and frames.nbytes >= frame_capacity  # rows of no bytes would be sized by a number
         ):
             raise ValueError(
                 f"{name} state: frames must be a C-contiguous array of numbers with "
-                f"frame_capacity={frame_capacity} rows, got {frames!r:.80}"
+                f"frame_capacity={frame_capacity} non-empty rows, got {frames!r:.80}"
             )
         skeleton = jax.tree_util.tree_unflatten(
             self._treedef, list(range(self._treedef.num_leaves))  # type: ignore[attr-defined]

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 
 from coax_utils import utils
-from coax_utils._checks import check_float, check_int, check_state_keys, is_int
+from coax_utils._checks import check_float, check_int, check_state_keys, checked_dtype, is_int
+from coax_utils._numpy_random import bit_generator_from_state
 from coax_utils.replay._sequence import SequenceSample
 from coax_utils.replay._transition import TransitionBatch
 from coax_utils.utils import SumTree
@@ -62,7 +63,6 @@ def _parallel_take(chunks: list) -> None:
 
 def _check_batch_size(batch_size: Any, name: str = "batch_size") -> int:
     return check_int(batch_size, name, low=1)
-
 
 
 def _check_int(state: dict, key: str, owner: str, lo: int, hi: int) -> int:
@@ -159,7 +159,6 @@ def _decode_structure(structure: Any, owner: str) -> Any:
 
 _FOLDER_FORMAT = 2
 _META = "meta.lz4"
-_BIT_GENERATORS = ("MT19937", "PCG64", "PCG64DXSM", "Philox", "SFC64")
 
 
 def _fsync_path(path: str) -> None:
@@ -237,14 +236,10 @@ def _split_state(state: dict[str, Any]) -> tuple[dict, list[tuple[str, Any, np.n
 def _generator(record: Any, where: str) -> np.random.Generator:
     if not isinstance(record, dict) or set(record) != {"name", "state"}:
         raise ValueError(f"{where}: a generator record needs the keys 'name' and 'state'")
-    if record["name"] not in _BIT_GENERATORS:
-        raise ValueError(f"{where}: unknown bit generator {record['name']!r}")
-    bit_generator = getattr(np.random, record["name"])()
     try:
-        bit_generator.state = record["state"]
+        return np.random.Generator(bit_generator_from_state(record["name"], record["state"]))
     except (TypeError, ValueError, KeyError) as e:
-        raise ValueError(f"{where}: invalid {record['name']} state: {e}") from None
-    return np.random.Generator(bit_generator)
+        raise ValueError(f"{where}: invalid generator: {e}") from None
 
 
 class _RingStorage:
@@ -799,8 +794,8 @@ class _RingStorage:
             raise ValueError(f"{name} state: leaf {i} lies in block, but block is None")
         offset, shape = spec["offset"], spec["shape"]
         try:
-            dtype = np.dtype(spec["dtype"]) if isinstance(spec["dtype"], str) else None
-        except TypeError:
+            dtype = checked_dtype(spec["dtype"], "dtype")
+        except ValueError:
             dtype = None
         if dtype is None or dtype.kind not in "biuf" or dtype.itemsize == 0:
             raise ValueError(f"{name} state: leaf {i} has an invalid dtype {spec['dtype']!r}")
@@ -1023,7 +1018,7 @@ class _RingStorage:
         if not (isinstance(dtype, str) and isinstance(shape, list)):
             raise bad(f"{entry['file']}: dtype and shape must be recorded")
         try:
-            np_dtype = np.dtype(dtype)
+            np_dtype = checked_dtype(dtype, "dtype")
             empty = int(np.prod(shape, dtype=np.int64)) == 0
             arr = np.load(path, mmap_mode=None if empty else mmap_mode, allow_pickle=False)
         except (TypeError, ValueError, OSError, EOFError) as e:

@@ -13,6 +13,8 @@ from coax_utils.replay._transition import TransitionBatch
 
 __all__ = ["EpisodeDoneError", "InsufficientCacheError", "MonteCarlo", "NStep"]
 
+_MAX_N = 1 << 20  # far beyond any n-step return in use; bounds what a restored n allocates
+
 
 class EpisodeDoneError(ValueError):
     """Raised when a tracer receives a step after its episode ended, before being emptied."""
@@ -250,7 +252,7 @@ class NStep(_BaseTracer):
     Parameters
     ----------
     n : int
-        The number of steps over which to bootstrap (``n >= 1``).
+        The number of steps over which to bootstrap (``1 <= n <= 2**20``).
     gamma : float
         The discount factor in :math:`[0, 1]`.
     record_extra_info : bool, optional
@@ -278,7 +280,7 @@ class NStep(_BaseTracer):
         self.reset()
 
     def _set_n(self, n: Any, record_extra_info: bool) -> None:
-        self.n = check_int(n, "n", low=1)
+        self.n = check_int(n, "n", low=1, high=_MAX_N)
         self.record_extra_info = record_extra_info
         self._gammas = np.power(self.gamma, np.arange(self.n + 1))
 

@@ -214,6 +214,22 @@ class OrnsteinUhlenbeckNoise:
                 )
             if not np.all(np.isfinite(noise)):
                 raise ValueError("OrnsteinUhlenbeckNoise state: noise must be finite")
+        seed = state["random_seed"]  # seeds the constructor's generator, replaced below
+        if is_int(seed) and not 0 <= seed < 1 << 128:  # other types: the constructor says
+            raise ValueError(
+                "OrnsteinUhlenbeckNoise state: random_seed must lie in [0, 2**128)"
+            )
+        params = [state[k] for k in ("mu", "sigma", "theta", "min_value", "max_value")]
+        shapes = [np.shape(x) for x in params if x is not None]
+        try:
+            size = int(np.prod(np.broadcast_shapes(*shapes)))
+        except ValueError:
+            size = 0  # the constructor says why
+        if size > max(int(np.prod(shape)) for shape in shapes):
+            raise ValueError(
+                "OrnsteinUhlenbeckNoise state: the parameters broadcast to a shape larger than "
+                "each of them"
+            )
         obj = cls(
             mu=state["mu"],
             sigma=state["sigma"],

@@ -198,7 +198,7 @@ class SegmentTree:
             return cls._FIXED
         reducer, init_value = state["reducer"], state["init_value"]
         if isinstance(reducer, str):
-            ufunc = getattr(np, reducer, None)
+            ufunc = vars(np).get(reducer)  # not getattr: that would import submodules
             if not (isinstance(ufunc, np.ufunc) and ufunc.nin == 2 and ufunc.nout == 1):
                 raise ValueError(
                     f"{cls.__name__} state: reducer {reducer!r} is not a NumPy ufunc of two "
