@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import errno
 import mmap
@@ -99,6 +100,7 @@ def atomic_write(path: str, write_all: Callable[[Callable[[int, Any], None]], No
     except FileNotFoundError:
         mode = 0o666 & ~_umask()
     remove_stale_temps(dirname)
+    _close_replaced()  # files replaced by earlier dumps: freed before this one needs room
     tmp = temp_name(dirname)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     old = None
@@ -117,20 +119,21 @@ def atomic_write(path: str, write_all: Callable[[Callable[[int, Any], None]], No
         os.chmod(tmp, mode)
         old = _open_replaced(path)
         os.replace(tmp, path)
+        fsync_dir(dirname)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if old is not None:
-            os.close(old)
         raise
-    try:
-        fsync_dir(dirname)
     finally:
         if old is not None:
             _close_later(old)
 
 
+# Replaced files held open (see _open_replaced), each closed once: by its thread, by the next
+# dump, or in a forked child right after the fork (a child must not keep the file's blocks).
 _FREE_LATER_BYTES = 16 << 20
+_replaced: set[int] = set()
+_replaced_lock = threading.Lock()
 
 
 def _open_replaced(path: str) -> int | None:
@@ -146,24 +149,50 @@ def _open_replaced(path: str) -> int | None:
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return None  # opening a device or a FIFO may do things; a link frees nothing
-        old = os.open(path, flags)
+        with _replaced_lock:
+            old = os.open(path, flags)
+            _replaced.add(old)
     except OSError:
         return None  # no file, or one not readable: replaced the ordinary way
     st = os.fstat(old)
     if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size >= _FREE_LATER_BYTES:
         return old
-    os.close(old)
+    _close_replaced([old])
     return None
 
 
+def _close_replaced(fds: list[int] | None = None) -> None:
+    """Close those of ``fds`` (default: all) still held; each descriptor is closed once."""
+    with _replaced_lock:
+        for fd in list(_replaced) if fds is None else fds:
+            if fd in _replaced:
+                _replaced.discard(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
 def _close_later(fd: int) -> None:
-    """Close ``fd`` on a short-lived thread (inline where no thread can start)."""
-    try:
-        thread = threading.Thread(target=os.close, args=(fd,), name="checkpoint-free-old")
-        thread.daemon = True
-        thread.start()
-    except RuntimeError:
-        os.close(fd)
+    """Close ``fd`` on a short-lived thread (the next dump closes it where none starts).
+
+    A bare thread (no start-up handshake that an interrupt could cut short)."""
+    with contextlib.suppress(RuntimeError):
+        _thread.start_new_thread(_close_replaced, ([fd],))
+
+
+def _after_fork_in_child() -> None:
+    for fd in _replaced:  # the threads that would close them do not exist here
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _replaced.clear()
+    _replaced_lock.release()  # taken by the forking thread, which is this one
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=lambda: _replaced_lock.acquire(),
+        after_in_parent=lambda: _replaced_lock.release(),
+        after_in_child=_after_fork_in_child,
+    )
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

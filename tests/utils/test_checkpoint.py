@@ -1106,6 +1106,17 @@ def test_dump_keeps_the_mode_bits_of_the_file_it_replaces(tmp_path):
     assert utils.load(path) == 3
 
 
+def removed_files_held(folder):
+    """The files under ``folder`` that this process holds open though they were removed."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target.startswith(str(folder)) and target.endswith(" (deleted)"):
+                out.append(target)
+    return out
+
+
 def test_the_replaced_file_is_freed_after_the_dump_returns(tmp_path, monkeypatch):
     path = tmp_path / "ckpt"
     monkeypatch.setattr(_ckpt_files, "_FREE_LATER_BYTES", 1)  # every old file counts as large
@@ -1122,11 +1133,32 @@ def test_the_replaced_file_is_freed_after_the_dump_returns(tmp_path, monkeypatch
     utils.dump({"version": "new"}, path)
     [st] = held
     assert (st.st_ino, st.st_nlink) == (old_inode, 0)  # the old file, already unlinked
-    for t in threading.enumerate():
-        if t.name == "checkpoint-free-old":
-            t.join(10)
-    assert not [t for t in threading.enumerate() if t.name == "checkpoint-free-old"]
+    deadline = time.monotonic() + 10
+    while _ckpt_files._replaced and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _ckpt_files._replaced and not removed_files_held(tmp_path)
     assert utils.load(path) == {"version": "new"}
+
+
+def test_held_files_are_closed_by_the_next_dump_and_in_forked_children(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    monkeypatch.setattr(_ckpt_files, "_FREE_LATER_BYTES", 1)
+    monkeypatch.setattr(_ckpt_files, "_close_later", lambda fd: None)  # as if no thread ran
+    try:
+        for i in range(3):
+            utils.dump(i, path)
+        # the third dump closed what the second held (room on the disk before it writes)
+        assert len(removed_files_held(tmp_path)) == 1
+        pid = os.fork()
+        if pid == 0:  # the child must not keep the old file's blocks for its lifetime
+            os._exit(10 + len(removed_files_held(tmp_path)))
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 10
+        assert len(removed_files_held(tmp_path)) == 1  # the parent's thread closes it
+    finally:
+        _ckpt_files._close_replaced()
+    assert not removed_files_held(tmp_path)
+    assert utils.load(path) == 2
 
 
 def test_links_fifos_shared_and_small_files_are_replaced_the_ordinary_way(tmp_path):
