@@ -123,10 +123,11 @@ def atomic_write(path: str, write_all: Callable[[Callable[[int, Any], None]], No
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise
-    finally:
         if old is not None:
-            _close_later(old)
+            _close_replaced([old])
+        raise
+    if old is not None:
+        _close_later(old)
 
 
 # Replaced files held open (see _open_replaced), each closed once: by its thread, by the next
