@@ -448,6 +448,18 @@ def segments_to_read(structure: Any, segment_sizes: list[int]) -> list[int]:
 
 _KEY_SHAPES = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
 _DEFINING = frozenset("ltSFdOajkgrno")  # tags whose second field is the object's id
+_MAX_SHARED_HASH = 64
+
+
+def _check_hashes(keys: list) -> None:
+    """Refuse keys of a dict or set many of which share a hash: inserting n of them takes
+    n**2 steps (ints that differ by multiples of 2**61 - 1 all hash alike, for one)."""
+    if len(keys) > _MAX_SHARED_HASH:
+        counts = collections.Counter(map(hash, keys))
+        if max(counts.values()) > _MAX_SHARED_HASH:
+            raise ValueError(f"more than {_MAX_SHARED_HASH} keys of a dict or set share a hash")
+
+
 _CONTAINER_TAGS = {"l": list, "S": set, "F": frozenset, "t": tuple}
 
 
@@ -645,11 +657,16 @@ class Decoder:
                 out = self._define(mid, [])
                 out.extend(self.node(v, depth) for v in items)
                 return out
-            return self._define(mid, _CONTAINER_TAGS[tag](self.node(v, depth) for v in items))
+            values = [self.node(v, depth) for v in items]
+            if tag in ("S", "F"):
+                _check_hashes(values)
+            return self._define(mid, _CONTAINER_TAGS[tag](values))
         if tag in ("d", "O"):
             mid, pairs = self._args(tag, args, 2)
             d = self._define(mid, {} if tag == "d" else collections.OrderedDict())
-            for k, v in self._pairs(pairs, depth):
+            pairs = self._pairs(pairs, depth)
+            _check_hashes([k for k, _ in pairs])
+            for k, v in pairs:
                 d[k] = v
             return d
         if tag == "a":

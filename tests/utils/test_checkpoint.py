@@ -997,6 +997,19 @@ def test_references_count_as_what_they_stand_for():
             utils.loads(data, safe=True)
 
 
+def test_keys_that_share_a_hash_are_refused():
+    # ints that differ by multiples of 2**61 - 1 hash alike: n of them cost n**2 to insert
+    keys = [k * (2**61 - 1) for k in range(1, 2001)]
+    for root in (
+        ["d", 0, [[["I", hex(k)], None] for k in keys]],
+        ["S", 0, [["I", hex(k)] for k in keys]],
+    ):
+        with pytest.raises(ValueError, match="share a hash"):
+            utils.loads(forge(tree(root), [b""]), safe=True)
+    honest = {k: k for k in range(-100, 1000)} | {-(2**61): 1, 2**200: 2}
+    assert utils.loads(utils.dumps([honest, set(honest)]), safe=True) == [honest, set(honest)]
+
+
 def test_states_are_written_whole_and_read_without_references():
     shared = np.ones(3)
     noise = utils.OrnsteinUhlenbeckNoise(mu=shared, sigma=shared, random_seed=1)
