@@ -2,7 +2,8 @@
 
 A checkpoint (format version 2) is a container of byte segments (see ``_ckpt_container``):
 
-- segment 0: the structure of the object, as JSON (see ``_ckpt_tree`` for its nodes);
+- segment 0: the structure of the object, as JSON (see ``_ckpt_tree`` for its nodes), stored
+  uncompressed (parsing a compressed one could take thousands of times the file's size);
 - segment 1: the pickle section, a cloudpickle of the objects that are not plain data
   (functions, foreign classes), empty when there are none; its large buffers (numpy
   arrays' memory) are out of band, buffers of the data tree listed in ``pickle_buffers``;
@@ -29,6 +30,7 @@ import numpy as np
 
 from coax_utils._version import __version__
 from coax_utils.utils._ckpt_container import (
+    RAW,
     Corrupt,
     FileSource,
     MemorySource,
@@ -169,6 +171,9 @@ def _load_v2(data: Any, container: Any, safe: bool, source: str) -> Any:
     sizes = [n for n, _ in container.segments]
     if len(sizes) < 3:
         raise Corrupt("fewer segments than a version-2 checkpoint has")
+    if any(chunk[3] != RAW for chunk in container.segments[_STRUCTURE][1]):
+        # stored as it is, parsing it takes memory in proportion to the file
+        raise Corrupt("the structure is stored compressed")
     raw = read_segments(data, container, [_STRUCTURE])[_STRUCTURE]
     try:
         structure = json.loads(raw.tobytes())
@@ -325,7 +330,7 @@ def dumps(obj: Any) -> bytes:
     >>> restored['step'], restored['w'].dtype, restored['w'].shape
     (3, dtype('float32'), (2, 3))
     """
-    return container_bytes(FORMAT_VERSION, _META, _segments(obj))
+    return container_bytes(FORMAT_VERSION, _META, _segments(obj), uncompressed=1)
 
 
 @_with_warning(**_STRINGS)
@@ -420,7 +425,10 @@ def dump(obj: Any, filepath: str | os.PathLike) -> None:
     """
     path = as_path(filepath)
     segments = _segments(obj)  # serialization errors surface before any file is touched
-    atomic_write(path, lambda place: write_container(FORMAT_VERSION, _META, segments, place))
+    atomic_write(
+        path,
+        lambda place: write_container(FORMAT_VERSION, _META, segments, place, uncompressed=1),
+    )
 
 
 @_with_warning(**_FILES)

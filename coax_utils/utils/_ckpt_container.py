@@ -36,6 +36,7 @@ __all__ = [
     "Corrupt",
     "FileSource",
     "MemorySource",
+    "RAW",
     "container_bytes",
     "decompress_legacy_frame",
     "is_legacy_frame",
@@ -202,14 +203,16 @@ def write_container(
     segments: list[list[memoryview]],
     place: Callable[[int, Any], None],
     reserve: Callable[[int], None] | None = None,
+    uncompressed: int = 0,
 ) -> int:
     """Write a container through ``place(offset, piece)``; return its size.
 
     ``segments`` holds, per segment, the byte pieces (flat ``uint8`` memoryviews) it is
-    made of. ``place`` is called from several threads at once, for pieces that do not
-    overlap; together they cover the container's bytes from 0 to its size. ``reserve``, if
-    given, is called first with an upper bound of the size (the chunks are at most as large
-    as the raw data: lz4 output is kept only where it is smaller).
+    made of; the first ``uncompressed`` of them are stored as they are. ``place`` is
+    called from several threads at once, for pieces that do not overlap; together they
+    cover the container's bytes from 0 to its size. ``reserve``, if given, is called first
+    with an upper bound of the size (the chunks are at most as large as the raw data: lz4
+    output is kept only where it is smaller).
     """
     chunk_size = CHUNK_SIZE
     meta = dict(meta, codec="lz4.block", checksum="crc32", chunk_size=chunk_size)
@@ -228,8 +231,13 @@ def write_container(
     place(0, head)
     body = _InOrder(len(head), place)
 
+    raw_chunks = sum(-(-n // chunk_size) for n in sizes[:uncompressed])
+
     def store(job: tuple[int, memoryview]) -> list[int]:
-        data, crc, codec = _compress(job[1])
+        if job[0] < raw_chunks:
+            data, crc, codec = job[1], zlib.crc32(job[1]), RAW
+        else:
+            data, crc, codec = _compress(job[1])
         body.add(job[0], data)
         return [_nbytes(data), crc, codec]
 
@@ -245,7 +253,9 @@ def write_container(
     return offset + len(tail)
 
 
-def container_bytes(version: int, meta: dict, segments: list[list[memoryview]]) -> bytes:
+def container_bytes(
+    version: int, meta: dict, segments: list[list[memoryview]], uncompressed: int = 0
+) -> bytes:
     """The container as one ``bytes`` object, into which the threads copy their chunks.
 
     The output is a zero-filled ``bytes`` of the largest possible size, owned by an
@@ -270,7 +280,7 @@ def container_bytes(version: int, meta: dict, segments: list[list[memoryview]]) 
         data = np.frombuffer(piece, np.uint8)
         array[offset : offset + data.size] = data
 
-    size = write_container(version, meta, segments, place, reserve)
+    size = write_container(version, meta, segments, place, reserve, uncompressed)
     array = None  # the exports end before the BytesIO is cut and handed over
     view.release()
     out.truncate(size)

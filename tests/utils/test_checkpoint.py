@@ -125,7 +125,7 @@ def forge(structure, segments, pickled=b"", version=2):
         [memoryview(pickled)],
         *[[memoryview(s)] for s in segments],
     ]
-    return _ckpt_container.container_bytes(version, {"format": "forged"}, data)
+    return _ckpt_container.container_bytes(version, {"format": "forged"}, data, uncompressed=1)
 
 
 def tree(root, buffers=(), pickled=()):
@@ -887,11 +887,11 @@ def test_buffers_must_lie_inside_their_segments_and_own_them():
         data = forge(tree(None, table), [bytes(8), big])
         with pytest.raises(ValueError, match="buffer entry"):
             utils.loads(data, safe=True)
-    for segment in (0, 3):  # a 60 kB buffer made 120 MB by a 10 kB file: refused
+    for segment in (0, 3):  # a 60 kB buffer made 120 MB by a 74 kB file: refused
         root = ["l", 0, [["a", i + 1, "|u1", [60_000], "C", 0] for i in range(2000)]]
         buffers = [[2, 0, 60_000]] if segment == 0 else [[3, 0, 60_000]]
         data = forge(tree(root, buffers), [bytes(60_000) if segment == 0 else b"", bytes(60_000)])
-        assert len(data) < 20_000
+        assert len(data) < 80_000
         with pytest.raises(ValueError, match="used twice"):
             utils.loads(data, safe=True)
 
@@ -992,9 +992,22 @@ def test_references_count_as_what_they_stand_for():
     wide = tree(["l", 0, [*dag, ["d", 99, [[["@", 60], 1]]]]])  # the last one as a dict key
     for structure, message in [(deep, "nested deeper"), (wide, "counting each reference")]:
         data = forge(structure, [b""])
-        assert len(data) < 10_000
+        assert len(data) < 20_000
         with pytest.raises(ValueError, match=message):
             utils.loads(data, safe=True)
+
+
+def test_the_structure_is_stored_as_it_is_and_a_compressed_one_is_refused():
+    # "[]," is 3 bytes of JSON and 60 bytes once parsed; lz4 packs 255 of them in a byte
+    bomb = ("[" + "[]," * 1_000_000 + "[]]").encode()
+    data = _ckpt_container.container_bytes(
+        2, {}, [[memoryview(bomb)], [memoryview(b"")], [memoryview(b"")]]
+    )
+    assert len(data) < len(bomb) // 100
+    with pytest.raises(ValueError, match="structure is stored compressed"):
+        utils.loads(data, safe=True)
+    honest = utils.dumps([0] * 100_000)  # compresses well, yet stored as it is
+    assert len(honest) > 200_000 and utils.loads(honest, safe=True) == [0] * 100_000
 
 
 def test_keys_that_share_a_hash_are_refused():
@@ -1034,7 +1047,7 @@ def test_states_are_written_whole_and_read_without_references():
 def test_json_nesting_and_number_bombs_are_value_errors():
     deep = "[" * 100_000 + "]" * 100_000
     data = _ckpt_container.container_bytes(
-        2, {}, [[memoryview(deep.encode())], [memoryview(b"")], [memoryview(b"")]]
+        2, {}, [[memoryview(deep.encode())], [memoryview(b"")], [memoryview(b"")]], 1
     )
     with pytest.raises(ValueError, match="not valid JSON"):
         utils.loads(data)

@@ -59,7 +59,7 @@ def test_zero_size_text_dtypes_are_refused():
     for desc in ["|S0", "<U0"]:  # a billion elements of nothing: no bytes in the file
         structure = {"root": ["a", 0, desc, [10**9], "C", 0], "buffers": [[2, 0, 0]], "pickled": []}
         segments = [json.dumps(structure).encode(), b"", b""]
-        data = _ckpt_container.container_bytes(2, {}, [[memoryview(x)] for x in segments])
+        data = _ckpt_container.container_bytes(2, {}, [[memoryview(x)] for x in segments], 1)
         assert len(data) < 1000
         with pytest.raises(ValueError, match="not an allowed plain-data dtype"):
             utils.loads(data, safe=True)
