@@ -240,7 +240,24 @@ def _load_builtins() -> None:
 # -- encoding ----------------------------------------------------------------------------------
 
 
-class Encoder:
+class _Scoped:
+    """The states of stateful objects and numpy RNGs are written and read whole: no
+    reference ("@") leads into or out of them, so no two restored objects share one."""
+
+    in_state = 0  # how many states the node being encoded or decoded lies in
+
+    def node(self, x: Any, depth: int) -> Any:
+        raise NotImplementedError
+
+    def _state(self, state: Any, depth: int) -> Any:
+        self.in_state += 1
+        try:
+            return self.node(state, depth)
+        finally:
+            self.in_state -= 1
+
+
+class Encoder(_Scoped):
     """Turn an object into (structure, buffers, objects to pickle)."""
 
     def __init__(self) -> None:
@@ -253,7 +270,6 @@ class Encoder:
         self.memo: dict[int, int] = {}
         self.keep: list[Any] = []  # memoized objects stay alive, so their ids stay unique
         self.active: set[int] = set()
-        self.in_state = 0  # inside the state of a stateful object or a numpy RNG
         self.path: list[str] = []
 
     def encode(self, obj: Any) -> dict:
@@ -279,13 +295,6 @@ class Encoder:
             self.memo[id(obj)] = mid
         self.keep.append(obj)
         return mid
-
-    def _state(self, state: Any, depth: int) -> Any:
-        self.in_state += 1
-        try:
-            return self.node(state, depth)
-        finally:
-            self.in_state -= 1
 
     def _pickle(self, obj: Any) -> list:
         i = len(self.pickled)
@@ -477,7 +486,7 @@ def jax_array(arr: np.ndarray, weak: bool) -> jax.Array:
     return jax.device_put(arr)
 
 
-class Decoder:
+class Decoder(_Scoped):
     """Rebuild an object from a structure checked node by node.
 
     Parameters
@@ -506,7 +515,6 @@ class Decoder:
         self.spent = 0
         self.extent: dict[int, tuple[int, int]] = {}  # object id -> (nodes, height)
         self.reach = 0  # the deepest level reached in the node being decoded
-        self.in_state = 0  # inside a state that a checked constructor rebuilds
 
     def decode(self) -> Any:
         return self.node(self.structure["root"], 0)
@@ -517,13 +525,6 @@ class Decoder:
         if not self.in_state:  # no reference may reach into a state
             self.memo[mid] = obj
         return obj
-
-    def _state(self, state: Any, depth: int) -> Any:
-        self.in_state += 1
-        try:
-            return self.node(state, depth)
-        finally:
-            self.in_state -= 1
 
     def _spend(self, nodes: int) -> None:
         self.spent += nodes
