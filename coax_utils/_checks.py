@@ -20,8 +20,8 @@ __all__ = [
     "check_float",
     "check_int",
     "check_seed",
-    "checked_dtype",
     "check_state_keys",
+    "checked_dtype",
     "checked_indices",
     "is_int",
 ]
