@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import collections
 import contextlib
 import errno
 import mmap
@@ -239,7 +240,9 @@ class _DirectWriter:
         self._lock = threading.Lock()
         self._pending: dict[int, Any] = {}  # offset -> piece not yet staged
         self._size = 0  # bytes staged so far
-        self._free: list[mmap.mmap] = []
+        # blocks written, to fill again: the writer thread appends without taking the lock
+        # (an interrupted placing thread can never leave it waiting), placing threads pop
+        self._free: collections.deque[mmap.mmap] = collections.deque()
         self._block = mmap.mmap(-1, self.BLOCK)  # page-aligned
         self._fill = 0
         self._queue: queue.Queue = queue.Queue(self.QUEUE)
@@ -338,8 +341,7 @@ class _DirectWriter:
                             self._error = e2
                 except BaseException as e:  # raised in the placing threads
                     self._error = e
-            with self._lock:
-                self._free.append(block)
+            self._free.append(block)
 
     def _write(self, block: mmap.mmap, n: int, offset: int) -> None:
         with memoryview(block) as view:
