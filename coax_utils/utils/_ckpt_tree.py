@@ -515,6 +515,10 @@ class Decoder(_Scoped):
         self.spent = 0
         self.extent: dict[int, tuple[int, int]] = {}  # object id -> (nodes, height)
         self.reach = 0  # the deepest level reached in the node being decoded
+        # objects referred to before they were finished (cycles, or tricks that look like
+        # them): by the node being decoded, and by each finished object (id -> ids)
+        self.open: set[int] | None = None
+        self.unfinished: dict[int, set[int]] = {}
 
     def decode(self) -> Any:
         return self.node(self.structure["root"], 0)
@@ -587,14 +591,17 @@ class Decoder(_Scoped):
     def node(self, x: Any, depth: int) -> Any:
         t = type(x)
         if x is None or t is bool or t is str or t is float or t is int:
+            self.spent += 1  # plain values count too: hashing a tuple of n ints takes n steps
+            if self.spent > self.budget:
+                self._spend(0)
             return x
         if t is not list or not x or type(x[0]) is not str:
             raise ValueError(f"malformed node of type {t.__name__}")
         if depth >= MAX_DEPTH + 2:
             raise ValueError(f"data nested deeper than {MAX_DEPTH} levels")
         self._spend(1)
-        start, outer = self.spent, self.reach
-        self.reach = depth
+        start, outer, outer_open = self.spent, self.reach, self.open
+        self.reach, self.open = depth, None
         try:
             obj = self._node(x[0], x[1:], depth + 1)
         except (TypeError, KeyError, IndexError, OverflowError, AttributeError) as e:
@@ -602,9 +609,17 @@ class Decoder(_Scoped):
                 f"malformed {x[0]!r} node ({type(e).__name__}: {str(e)[:200]})"
             ) from None
         mid = x[1] if len(x) > 1 and x[0] in _DEFINING else None
+        still_open = None
+        if self.open:  # unfinished objects this node refers to, and that stay unfinished
+            still_open = {m for m in self.open if m != mid and m not in self.extent}
         if type(mid) is int and mid in self.memo and mid not in self.extent:
             self.extent[mid] = (1 + self.spent - start, self.reach - depth)
+            if still_open:
+                self.unfinished[mid] = still_open
         self.reach = max(outer, self.reach)
+        self.open = outer_open
+        if still_open:
+            self.open = (self.open or set()) | still_open
         return obj
 
     def _args(self, tag: str, args: list, n: int) -> list:
@@ -629,7 +644,15 @@ class Decoder(_Scoped):
                 raise ValueError("a reference inside the state of a stateful object or RNG")
             if type(mid) is not int or mid not in self.memo:
                 raise ValueError(f"reference to undefined object {mid!r}")
-            nodes, height = self.extent.get(mid, (1, 0))  # (1, 0): still being built
+            nodes, height = self.extent.get(mid, (1, 0))
+            # what it reaches through objects unfinished when it was built (or now): their
+            # size when referred to, for they have grown since
+            reached = self.unfinished.get(mid, set()) | ({mid} if mid not in self.extent else set())
+            if reached:
+                self.open = (self.open or set()) | reached
+                for m in reached:
+                    more = self.extent.get(m, (1, 0))
+                    nodes, height = nodes + more[0], height + more[1]
             self._spend(nodes)
             self.reach = max(self.reach, depth + height)
             if self.reach >= MAX_DEPTH + 2:
@@ -726,7 +749,9 @@ class Decoder(_Scoped):
 
     def _record(self, mid: Any, name: Any, pairs: Any, depth: int) -> Any:
         cls = self._registered(name)
-        values = dict(self._pairs(pairs, depth))
+        pairs = self._pairs(pairs, depth)
+        _check_hashes([k for k, _ in pairs])
+        values = dict(pairs)
         if _is_namedtuple(cls):
             fields = cls._fields
         elif dataclasses.is_dataclass(cls) and not _is_stateful(cls):
@@ -734,7 +759,9 @@ class Decoder(_Scoped):
         else:
             raise ValueError(f"type {name!r} is not a NamedTuple or dataclass")
         if set(values) != set(fields) or len(values) != len(pairs):
-            raise ValueError(f"{name} has fields {list(fields)}, the file gives {list(values)}")
+            raise ValueError(
+                f"{name} has fields {list(fields)}, the file gives {str(list(values))[:200]}"
+            )
         if _is_namedtuple(cls):
             return self._define(mid, tuple.__new__(cls, [values[f] for f in fields]))
         obj = object.__new__(cls)

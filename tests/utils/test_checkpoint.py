@@ -1010,12 +1010,39 @@ def test_the_structure_is_stored_as_it_is_and_a_compressed_one_is_refused():
     assert len(honest) > 200_000 and utils.loads(honest, safe=True) == [0] * 100_000
 
 
+def test_references_to_unfinished_objects_count_what_they_reach():
+    # X_k = (A_k,) is made inside the dict A_k while A_k is unfinished, then dropped from A_k
+    # by a repeated key; A_k goes on to hold X_{k-1} (once: a chain; twice: doubling)
+    for copies, message in [(1, "nested deeper"), (2, "counting each reference")]:
+        items, prev = [], None
+        for k in range(60 if copies == 2 else 200):
+            a, x, held = 3 * k + 1, 3 * k + 2, 3 * k + 3
+            second = 0 if prev is None else ["l", held, [["@", prev]] * copies]
+            items.append(["d", a, [["x", ["t", x, [["@", a]]]], ["x", second]]])
+            prev = x
+        data = forge(tree(["l", 0, [*items, ["@", prev]]]), [b""])
+        assert len(data) < 20_000
+        with pytest.raises(ValueError, match=message):
+            utils.loads(data, safe=True)
+    # plain values count: a tuple of 20000 ints used 700 times as a dict key (hashed each time)
+    keys = ["t", 1, list(range(20_000))]
+    root = ["l", 0, [keys, *(["d", i + 2, [[["@", 1], i]]] for i in range(700))]]
+    with pytest.raises(ValueError, match="counting each reference"):
+        utils.loads(forge(tree(root), [b""]), safe=True)
+    # an honest cycle through a tuple still loads
+    d = {}
+    d["self"] = (d, [d])
+    again = utils.loads(utils.dumps([d, d]), safe=True)
+    assert again[0] is again[1] and again[0]["self"][1][0] is again[0]
+
+
 def test_keys_that_share_a_hash_are_refused():
     # ints that differ by multiples of 2**61 - 1 hash alike: n of them cost n**2 to insert
     keys = [k * (2**61 - 1) for k in range(1, 2001)]
     for root in (
         ["d", 0, [[["I", hex(k)], None] for k in keys]],
         ["S", 0, [["I", hex(k)] for k in keys]],
+        ["n", 0, "optax.EmptyState", [[["I", hex(k)], None] for k in keys]],  # record fields
     ):
         with pytest.raises(ValueError, match="share a hash"):
             utils.loads(forge(tree(root), [b""]), safe=True)
