@@ -37,6 +37,7 @@ import importlib
 import re
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -245,9 +246,7 @@ class _Scoped:
     reference ("@") leads into or out of them, so no two restored objects share one."""
 
     in_state = 0  # how many states the node being encoded or decoded lies in
-
-    def node(self, x: Any, depth: int) -> Any:
-        raise NotImplementedError
+    node: Callable[[Any, int], Any]  # the subclass's encoding or decoding of one node
 
     def _state(self, state: Any, depth: int) -> Any:
         self.in_state += 1
