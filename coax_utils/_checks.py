@@ -86,7 +86,7 @@ def check_seed(value: Any, name: str = "random_seed") -> int | None:
     return check_int(value, name, low=0)
 
 
-_PLAIN_DTYPE = re.compile(r"[<>|=]?[biufcV][0-9]{1,2}\Z")
+_PLAIN_DTYPE = re.compile(r"[<>|=]?[biufcV][1-9][0-9]?\Z")  # no zero-size V0
 
 
 def checked_dtype(desc: Any, name: str) -> np.dtype:

@@ -43,7 +43,7 @@ def test_only_plain_dtype_descriptors_reach_numpy():
     for desc in ["<f4", "|u1", "|b1", "<i8", ">f8", "<c8", "<V2"]:
         assert checked_dtype(desc, "dtype") == np.dtype(desc)
     # numpy's parser crashes the process on the first (SIGFPE), raises SyntaxError on others
-    for desc in ["M8[Y/0]", "(a,)i4", ",", "a1", "|O", "f", "<f4,<f4", "U0", 4, None]:
+    for desc in ["M8[Y/0]", "(a,)i4", ",", "a1", "|O", "f", "<f4,<f4", "U0", "|V0", 4, None]:
         with pytest.raises(ValueError, match="plain dtype"):
             checked_dtype(desc, "dtype")
     buffer = SimpleReplayBuffer(8, random_seed=0)
