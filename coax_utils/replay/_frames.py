@@ -162,6 +162,8 @@ class _FrameStacks:
             if not self._frames.flags.writeable:
                 raise ValueError("the buffer is read-only (loaded with mmap_mode='r')")
         n = len(S)
+        if self._frame_count + 2 * n * k > _MAX_COUNT:
+            raise ValueError("the frame ids would overflow int64")
         return np.concatenate([S, S_next], axis=1).reshape((2 * n * k,) + S.shape[2:])
 
     def _plan(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -207,12 +209,14 @@ class _FrameStacks:
             new = list(range(len(frames)))
         return ids, np.array(new, np.int64), fps
 
+    def _new_ring(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """An empty ring for frames like ``frames``, and its fingerprints."""
+        cap = self._frame_capacity
+        return np.empty((cap,) + frames.shape[1:], frames.dtype), np.zeros(cap, np.uint64)
+
     def _store_frames(self, frames: np.ndarray, fps: np.ndarray) -> None:
         """Append ``frames`` to the ring (ids ``frame_count, ...``) and to the recent ones."""
         cap, window = self._frame_capacity, self._window
-        if self._frames is None:
-            self._frames = np.empty((cap,) + frames.shape[1:], frames.dtype)
-            self._fingerprints = np.zeros(cap, np.uint64)
         first = self._frame_count
         keep = slice(max(0, len(frames) - cap), None)
         ids = first + np.arange(len(frames), dtype=np.int64)[keep]
@@ -258,16 +262,23 @@ class _FrameStacks:
             is not an array of numbers.
         ValueError
             If ``S`` or ``S_next`` is not ``(batch_size, stack_size, *frame_shape)``, their
-            frames differ in shape or dtype from the stored ones, or the rest of the batch
-            does not fit (see :meth:`SimpleReplayBuffer.add`). Every check runs before the
-            first write: frames, transitions, priorities and the RNG are unchanged.
+            frames differ in shape or dtype from the stored ones, the frame ids would
+            overflow int64, or the rest of the batch does not fit (see
+            :meth:`SimpleReplayBuffer.add`). Every check runs before the first write, and
+            the first add allocates the frame ring before it: frames, transitions,
+            priorities and the RNG are unchanged.
         """
         frames = self._check_stacks(transition_batch)
         n, k = len(transition_batch.S), self._stack_size
         ids, new, fps = self._plan(frames)
         pairs = ids.reshape(n, 2, k)
         refs = transition_batch.replace(S=pairs[:, 0], S_next=pairs[:, 1])
+        # the first add allocates the ring before anything is written (a frame_capacity too
+        # large for memory then changes nothing)
+        ring = self._new_ring(frames) if self._frames is None else None
         self._add(refs, Adv, episode_end)  # type: ignore[attr-defined]
+        if ring is not None:
+            self._frames, self._fingerprints = ring
         self._store_frames(frames[new], fps[new])
 
     # -- sampling ------------------------------------------------------------------------------
@@ -615,6 +626,10 @@ class PrioritizedFrameStackReplayBuffer(_FrameStacks, PrioritizedReplayBuffer):
         if not len(slots):
             raise ValueError("no transition in the buffer has all its frames")
         cdf = np.cumsum(self._tree.values[slots])
+        if not cdf[-1] > 0:  # e.g. priorities that underflow to 0 (a large alpha)
+            raise ValueError(
+                "every transition that has all its frames has priority 0: nothing to sample"
+            )
         pick = np.searchsorted(cdf, self._rng.random(n) * cdf[-1], side="right")
         return slots[np.minimum(pick, len(slots) - 1)]
 
@@ -640,7 +655,7 @@ class PrioritizedFrameStackReplayBuffer(_FrameStacks, PrioritizedReplayBuffer):
         ------
         ValueError
             If the buffer is empty, ``batch_size`` is not positive, or no transition has all
-            its frames.
+            its frames, or all of those have priority 0 (priorities that underflow).
         """
         return self._sample_live(self._check_nonempty(batch_size), weighted=True)
 

@@ -342,3 +342,45 @@ def test_sequences_never_hold_a_step_that_lost_frames():
 
     run(image_cartpole(max_steps=6), buffer, NStep(n=2, gamma=0.9), 120, after_step=check)
     assert max(lost) > 0
+
+
+def test_first_add_that_cannot_allocate_the_ring_changes_nothing():
+    # a frame_capacity too large for memory (from the constructor or a checkpoint of an
+    # empty buffer): the add fails before any transition is written
+    frames = np.arange(5 * 6 * 6, dtype=np.uint8).reshape(5, 6, 6)
+    for cls in (FrameStackReplayBuffer, PrioritizedFrameStackReplayBuffer):
+        buffer = cls(10, stack_size=K, frame_capacity=10**14, random_seed=0)
+        before = utils.dumps(buffer)
+        with pytest.raises((MemoryError, ValueError)):
+            buffer.add(stack_batch(frames))
+        assert len(buffer) == 0 and utils.dumps(buffer) == before
+        state = buffer.__checkpoint_state__()
+        restored = cls.__checkpoint_restore__(state)
+        with pytest.raises((MemoryError, ValueError)):
+            restored.add(stack_batch(frames))
+        assert len(restored) == 0 and not restored
+
+
+def test_frame_ids_that_would_overflow_are_refused_before_any_write():
+    buffer = FrameStackReplayBuffer(10, stack_size=K, random_seed=0)
+    frames = np.arange(5 * 6 * 6, dtype=np.uint8).reshape(5, 6, 6)
+    buffer.add(stack_batch(frames))
+    state = buffer.__checkpoint_state__()
+    state.update(frame_count=2**63 - 3)  # a checkpoint whose frame ids are near the limit
+    restored = FrameStackReplayBuffer.__checkpoint_restore__(state)
+    before = utils.dumps(restored)
+    with pytest.raises(ValueError, match="overflow"):
+        restored.add(stack_batch(frames[::-1].copy()))
+    assert utils.dumps(restored) == before
+
+
+def test_prioritized_refuses_to_sample_when_every_priority_is_zero():
+    # (|Adv| + epsilon) ** alpha underflows to 0 for every transition: nothing can be drawn
+    buffer = PrioritizedFrameStackReplayBuffer(10, stack_size=K, random_seed=0)
+    frames = np.arange(5 * 6 * 6, dtype=np.uint8).reshape(5, 6, 6)
+    buffer.add(stack_batch(frames), Adv=np.zeros(1))
+    buffer.add(stack_batch(frames[::-1].copy()), Adv=np.zeros(1))
+    buffer.alpha = 200.0
+    assert buffer.total_priority == 0.0
+    with pytest.raises(ValueError, match="priority 0"):
+        buffer.sample(4)
