@@ -89,11 +89,11 @@ class _FrameRing:
         if frame_capacity is None:
             frame_capacity = capacity + capacity // 64 + 2 * k
         F = check_int(frame_capacity, "frame_capacity", low=2 * k, high=_COUNTER_SPAN // 4)
-        window = check_int(window, "window", low=0)
-        # a table of 8 entries per frame of the requested window, at least 8192: frames that
-        # share an entry evict each other and are stored again while both are in use
+        window = min(check_int(window, "window", low=0), F - 2 * k)
+        # a table of 8 entries per frame of the window (as used: at most frame_capacity
+        # frames), at least 8192: frames that share an entry evict each other and are
+        # stored again while both are in use
         bits = max(13, int(8 * window - 1).bit_length())
-        window = min(window, F - 2 * k)
         modulus = F * (_COUNTER_SPAN // F)
         # a stored transition was added at most ``capacity`` transitions (2 k new frames
         # each) ago and refers to frames up to ``window`` older than that
@@ -124,6 +124,29 @@ class _FrameRing:
                 raise ValueError(
                     f"the frames of {name} are {jnp.result_type(x)}{list(shape[1:])}; the "
                     f"buffer holds {frames.dtype}{list(frames.shape[1:])}"
+                )
+
+    def check_state(self, state: Any, capacity: int) -> None:
+        """Trace-time check that ``state`` has the shapes of this buffer's states (a state of
+        a buffer made with another capacity or frame_capacity would be read at wrong rows)."""
+        table = 1 << self.bits
+        rows = [
+            ("frames", state.frames, self.capacity),
+            ("table_hash", state.table_hash, table),
+            ("table_id", state.table_id, table),
+            ("transitions.episode", state.transitions.episode, capacity),
+            ("birth", getattr(state, "birth", None), capacity),
+        ]
+        rows += [
+            ("transitions.items", x, capacity)
+            for x in jax.tree_util.tree_leaves(state.transitions.items)
+        ]
+        for name, x, n in rows:
+            if x is not None and jnp.shape(x)[:1] != (n,):
+                raise ValueError(
+                    f"the state does not fit this buffer: {name} has shape {jnp.shape(x)}, "
+                    f"the buffer needs {n} rows (a state of a buffer made with another "
+                    "capacity, frame_capacity or window?)"
                 )
 
     def init(self, example: TransitionBatch) -> tuple[TransitionBatch, dict[str, jax.Array]]:
@@ -283,7 +306,8 @@ def make_frame_stack_buffer(
     ------
     TypeError, ValueError
         For a bad argument here, and at trace time for transitions whose frames differ in
-        shape or dtype from the buffer's.
+        shape or dtype from the buffer's, or a state whose arrays have other sizes than this
+        buffer's (a state of a buffer made with other arguments).
     """
     inner = make_uniform_buffer(capacity)
     capacity = inner.capacity
@@ -294,11 +318,13 @@ def make_frame_stack_buffer(
         return FrameStackBufferState(transitions=inner.init(refs), **fields)
 
     def add(state: FrameStackBufferState, batch: TransitionBatch) -> FrameStackBufferState:
+        ring.check_state(state, capacity)
         refs, fields = ring.store(state, batch)
         return FrameStackBufferState(transitions=inner.add(state.transitions, refs), **fields)
 
     def sample(state: FrameStackBufferState, key: jax.Array, batch_size: int) -> TransitionBatch:
         batch_size = _check_batch_size(batch_size)
+        ring.check_state(state, capacity)
         stored = state.transitions
 
         def draw(key: jax.Array) -> jax.Array:
@@ -450,7 +476,8 @@ def make_prioritized_frame_stack_buffer(
     ------
     TypeError, ValueError
         For a bad argument here, and at trace time for transitions whose frames differ in
-        shape or dtype from the buffer's.
+        shape or dtype from the buffer's, or a state whose arrays have other sizes than this
+        buffer's (a state of a buffer made with other arguments).
     """
     inner = make_prioritized_buffer(capacity, alpha, beta, epsilon, tree_strategy)
     capacity, strategy = inner.capacity, inner.tree_strategy
@@ -499,6 +526,7 @@ def make_prioritized_frame_stack_buffer(
     def add(
         state: PrioritizedFrameStackBufferState, batch: TransitionBatch
     ) -> PrioritizedFrameStackBufferState:
+        ring.check_state(state, capacity)
         born = state.frame_count
         refs, fields = ring.store(state, batch)
         n = jnp.shape(refs.S)[0]
@@ -517,12 +545,14 @@ def make_prioritized_frame_stack_buffer(
         batch_size: int,
         beta: Any = None,
     ) -> PrioritizedSample:
+        ring.check_state(state, capacity)
         drawn = inner.sample(state.transitions, key, batch_size, beta)
         return drawn.replace(items=ring.rebuild(state.frames, drawn.items))
 
     def update(
         state: PrioritizedFrameStackBufferState, indices: jax.Array, priorities: jax.Array
     ) -> PrioritizedFrameStackBufferState:
+        ring.check_state(state, capacity)
         indices, valid = checked_indices(indices, capacity)
         slots = jnp.maximum(indices, 0)
         lost = ring.lost(state.transitions.items, state.frame_count, slots)

@@ -12,6 +12,7 @@ from coax_utils.replay import (
     FrameStackReplayBuffer,
     NStep,
     PrioritizedFrameStackReplayBuffer,
+    TransitionBatch,
     make_frame_stack_buffer,
     make_prioritized_buffer,
     make_prioritized_frame_stack_buffer,
@@ -294,3 +295,48 @@ def test_sizes_beyond_the_32_bit_frame_counters_are_refused():
         with pytest.raises(ValueError, match="frame_capacity"):
             factory(100, stack_size=4, frame_capacity=2**29)
         factory(20_000_000, stack_size=4)  # within the bound: made (nothing is allocated)
+
+
+def one_transition(k=K):
+    """A batch of one transition of 3x3 frames."""
+    frames = np.arange((k + 1) * 9, dtype=np.uint8).reshape(k + 1, 3, 3)
+    return TransitionBatch.from_single(
+        s=frames[:k], a=0, logp=0.0, r=0.0, done=False, gamma=0.9, s_next=frames[1:]
+    )
+
+
+def example():
+    return jax.tree_util.tree_map(lambda x: x[0], one_transition())
+
+
+def test_the_fingerprint_table_is_sized_by_the_window_in_use():
+    # a window beyond frame_capacity matches against at most frame_capacity frames: the table
+    # must not grow with the requested number (window=10**9 asked for 8.6G entries)
+    for factory in (make_frame_stack_buffer, make_prioritized_frame_stack_buffer):
+        state = jax.eval_shape(factory(100, stack_size=K, window=10**9).init, example())
+        assert state.table_id.shape == state.table_hash.shape[:1] == (8192,)
+        big = factory(10_000, stack_size=K, window=10**9)
+        state = jax.eval_shape(big.init, example())
+        assert 8 * big.frame_capacity <= state.table_id.shape[0] < 16 * big.frame_capacity
+
+
+@pytest.mark.parametrize("factory", [make_frame_stack_buffer, make_prioritized_frame_stack_buffer])
+def test_a_state_of_a_buffer_made_with_other_sizes_is_refused(factory):
+    # frames live at row id % frame_capacity: a state read by a buffer of another
+    # frame_capacity returned other frames than the ones added, without an error
+    made = factory(20, stack_size=K, frame_capacity=40)
+    state = made.init(example())
+    state = made.add(state, one_transition())
+    made.sample(state, jax.random.PRNGKey(0), 2)  # its own buffer reads it
+    for other in (
+        factory(20, stack_size=K, frame_capacity=50),
+        factory(30, stack_size=K, frame_capacity=40),
+        factory(20, stack_size=K, frame_capacity=40_000, window=4_000),  # another table
+    ):
+        with pytest.raises(ValueError, match="does not fit this buffer"):
+            other.sample(state, jax.random.PRNGKey(0), 2)
+        with pytest.raises(ValueError, match="does not fit this buffer"):
+            other.add(state, one_transition())
+        if hasattr(other, "update"):
+            with pytest.raises(ValueError, match="does not fit this buffer"):
+                other.update(state, jnp.zeros(1, jnp.int32), jnp.ones(1))
