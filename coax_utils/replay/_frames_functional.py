@@ -53,6 +53,8 @@ def _multipliers(n: int) -> np.ndarray:
 def _fingerprints(frames: jax.Array) -> jax.Array:
     """Two 32-bit linear hashes of the bytes of each frame: ``(n, 2)`` uint32."""
     n = frames.shape[0]
+    if frames.dtype == jnp.bool_:  # (bool cannot be bitcast; its bytes are 0 and 1)
+        frames = frames.astype(jnp.uint8)
     raw = jax.lax.bitcast_convert_type(frames, jnp.uint8).reshape(n, -1)
     pad = -raw.shape[1] % 4
     raw = jnp.pad(raw, ((0, 0), (0, pad)))

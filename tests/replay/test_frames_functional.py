@@ -340,3 +340,35 @@ def test_a_state_of_a_buffer_made_with_other_sizes_is_refused(factory):
         if hasattr(other, "update"):
             with pytest.raises(ValueError, match="does not fit this buffer"):
                 other.update(state, jnp.zeros(1, jnp.int32), jnp.ones(1))
+
+
+def test_bool_frames_as_the_host_buffer_stores_them():
+    # MinAtar-like boolean frames: the host buffer stores them, the jittable one failed to
+    # trace (its fingerprint bitcast the frames)
+    rng = np.random.default_rng(0)
+    frames = rng.random((12, 4, 4)) < 0.5
+    batches = [
+        TransitionBatch.from_single(
+            s=frames[t : t + K],
+            a=0,
+            logp=0.0,
+            r=float(t),
+            done=False,
+            gamma=0.9,
+            s_next=frames[t + 1 : t + K + 1],
+        )
+        for t in range(7)
+    ]
+    host = FrameStackReplayBuffer(capacity=10, stack_size=K, random_seed=0)
+    buf = make_frame_stack_buffer(capacity=10, stack_size=K)
+    state = buf.init(jax.tree_util.tree_map(lambda x: x[0], batches[0]))
+    for batch in batches:
+        host.add(batch)
+        state = buf.add(state, batch)
+    assert int(state.frame_count) == host.frame_count == 7 + K
+    drawn = buf.sample(state, jax.random.PRNGKey(0), 16)
+    assert drawn.S.dtype == host.sample(1).S.dtype == np.bool_
+    for row in range(16):
+        t = int(drawn.Rn[row])
+        np.testing.assert_array_equal(drawn.S[row], batches[t].S[0])
+        np.testing.assert_array_equal(drawn.S_next[row], batches[t].S_next[0])
