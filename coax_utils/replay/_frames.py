@@ -584,7 +584,8 @@ class PrioritizedFrameStackReplayBuffer(_FrameStacks, PrioritizedReplayBuffer):
     Priorities, importance weights, :meth:`update` and the hyperparameters are those of
     :class:`PrioritizedReplayBuffer`; frames are stored as in
     :class:`FrameStackReplayBuffer`. A transition found to have lost a frame to the ring
-    gets priority 0 and is never sampled; the importance weights are those of the
+    gets priority 0 and is never sampled; :meth:`update` ignores the ids of transitions that
+    lost frames (as those of overwritten ones); the importance weights are those of the
     transitions that can be sampled.
 
     Parameters
@@ -635,6 +636,13 @@ class PrioritizedFrameStackReplayBuffer(_FrameStacks, PrioritizedReplayBuffer):
 
     def _drop(self, slots: np.ndarray) -> None:
         self._tree.set_values(np.unique(slots), 0.0)
+
+    def _updatable(self, slots: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        # the ids still held whose transitions have all their frames: an update never gives
+        # a transition that lost frames a priority again (nor raises the default priority)
+        held = super()._updatable(slots, idx)
+        held[held] = self._live(slots[held])
+        return held
 
     def sample(self, batch_size: int = 32) -> TransitionBatch:  # type: ignore[override]
         """Sample a batch of transitions in proportion to their priorities, among those whose

@@ -1426,7 +1426,7 @@ class PrioritizedReplayBuffer(_RingStorage):
         abs_adv = self._check_adv(Adv, idx.shape, "idx")
         p = self._priority(abs_adv, self._alpha, self._epsilon)
         slots = idx % self._capacity
-        live = self._ids[slots] == idx
+        live = self._updatable(slots, idx)
         slots, abs_adv, p = slots[live], abs_adv[live], p[live]
         if slots.size:
             # last write wins for duplicates: keep the last occurrence of each slot
@@ -1436,6 +1436,10 @@ class PrioritizedReplayBuffer(_RingStorage):
             self._tree.set_values(slots, p)  # refuses a total that overflows
             self._abs_adv[slots] = abs_adv
             self._max_abs_adv = max(self._max_abs_adv or 0.0, float(abs_adv.max()))
+
+    def _updatable(self, slots: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """Which ids ``idx`` (held in ``slots`` if anywhere) :meth:`update` sets."""
+        return self._ids[slots] == idx
 
     # -- checkpoints -----------------------------------------------------------------------
 

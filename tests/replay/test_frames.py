@@ -384,3 +384,24 @@ def test_prioritized_refuses_to_sample_when_every_priority_is_zero():
     assert buffer.total_priority == 0.0
     with pytest.raises(ValueError, match="priority 0"):
         buffer.sample(4)
+
+
+def test_prioritized_update_ignores_transitions_that_lost_frames():
+    # as the jittable buffer does: an update neither gives such a transition a priority
+    # again nor raises the priority that new transitions get
+    buffer = PrioritizedFrameStackReplayBuffer(
+        capacity=10, stack_size=2, frame_capacity=4, random_seed=0
+    )
+    frames = np.arange(12 * 9, dtype=np.uint8).reshape(12, 3, 3)
+    for t in range(3):  # 3 new frames each (S, S_next share one): the oldest lose frames
+        buffer.add(stack_batch(frames[3 * t : 3 * t + 3], k=2), Adv=np.ones(1))
+    live = {int(tr.idx[0]) for tr in buffer}
+    assert live == {2}
+    buffer.update(np.array([0, 1, 2]), np.array([50.0, 60.0, 3.0]))
+    assert list(buffer.priorities(np.array([2]))) == pytest.approx([3.0001])
+    assert buffer.sample(8).idx.tolist() == [2] * 8  # 0 and 1 are found and dropped
+    np.testing.assert_array_equal(buffer.priorities(np.array([0, 1])), [0.0, 0.0])
+    buffer.update(np.array([0, 1]), np.array([50.0, 60.0]))
+    np.testing.assert_array_equal(buffer.priorities(np.array([0, 1])), [0.0, 0.0])
+    buffer.add(stack_batch(frames[9:12], k=2))  # the default: the largest |Adv| of live ones
+    assert buffer.priorities(np.array([3])) == pytest.approx([3.0001])
