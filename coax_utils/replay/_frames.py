@@ -153,6 +153,8 @@ class _FrameStacks:
                 f"transition_batch.S and S_next must have the same shape and dtype, got "
                 f"{S.dtype}{list(S.shape)} and {S_next.dtype}{list(S_next.shape)}"
             )
+        if 0 in S.shape[2:]:
+            raise ValueError(f"frames must not be empty, got frames of shape {S.shape[2:]}")
         if self._frames is not None:
             if S.shape[2:] != self._frames.shape[1:] or S.dtype != self._frames.dtype:
                 raise ValueError(
@@ -262,8 +264,8 @@ class _FrameStacks:
             is not an array of numbers.
         ValueError
             If ``S`` or ``S_next`` is not ``(batch_size, stack_size, *frame_shape)``, their
-            frames differ in shape or dtype from the stored ones, the frame ids would
-            overflow int64, or the rest of the batch does not fit (see
+            frames are empty or differ in shape or dtype from the stored ones, the frame ids
+            would overflow int64, or the rest of the batch does not fit (see
             :meth:`SimpleReplayBuffer.add`). Every check runs before the first write, and
             the first add allocates the frame ring before it: frames, transitions,
             priorities and the RNG are unchanged.

@@ -405,3 +405,12 @@ def test_prioritized_update_ignores_transitions_that_lost_frames():
     np.testing.assert_array_equal(buffer.priorities(np.array([0, 1])), [0.0, 0.0])
     buffer.add(stack_batch(frames[9:12], k=2))  # the default: the largest |Adv| of live ones
     assert buffer.priorities(np.array([3])) == pytest.approx([3.0001])
+
+
+def test_empty_frames_are_refused_by_the_first_add():
+    # frames of no bytes were accepted, then sample failed and a saved buffer did not load
+    buffer = FrameStackReplayBuffer(10, stack_size=K, random_seed=0)
+    before = utils.dumps(buffer)
+    with pytest.raises(ValueError, match="empty"):
+        buffer.add(stack_batch(np.zeros((5, 3, 0), np.uint8)))
+    assert utils.dumps(buffer) == before
