@@ -382,6 +382,9 @@ class PrioritizedFrameStackBufferState(FrameStackBufferState):
     birth : int32 Array, shape ``(capacity,)``
         ``frame_count`` when the transition in each slot was added (its frame ids are at
         most ``window`` frames older).
+    window : int32 Array
+        The largest ``window`` of the buffers that added to this state: a state used by
+        buffers made with different windows still finds every transition that lost frames.
     added : int32 Array
         The number of transitions added so far, modulo ``capacity * (2**30 // capacity)``.
     frontier : int32 Array
@@ -391,6 +394,7 @@ class PrioritizedFrameStackBufferState(FrameStackBufferState):
 
     transitions: PrioritizedBufferState  # (a field of the base class: keeps its position)
     birth: jax.Array
+    window: jax.Array
     added: jax.Array
     frontier: jax.Array
 
@@ -493,6 +497,7 @@ def make_prioritized_frame_stack_buffer(
             transitions=inner.init(refs),
             **fields,
             birth=jnp.zeros((capacity,), jnp.int32),
+            window=jnp.asarray(ring.window, jnp.int32),
             added=jnp.zeros([], jnp.int32),  # distinct arrays: the state may be donated
             frontier=jnp.zeros([], jnp.int32),
         )
@@ -505,7 +510,8 @@ def make_prioritized_frame_stack_buffer(
         todo = jnp.minimum((state.added - state.frontier) % added_modulus, stored.size)
         start = (state.added - todo) % added_modulus
         # a transition born less than frame_capacity - window frames ago holds its frames
-        old_enough = ring.capacity - ring.window
+        # (the state's window: the largest of those its transitions were added with)
+        old_enough = ring.capacity - jnp.clip(state.window, 0, ring.capacity)
 
         def more(carry: tuple) -> jax.Array:
             o, _, _, _ = carry
@@ -536,6 +542,7 @@ def make_prioritized_frame_stack_buffer(
         state = state.replace(
             transitions=inner.add(state.transitions, refs),
             birth=state.birth.at[slots].set(born, unique_indices=True),
+            window=jnp.maximum(state.window, ring.window),
             added=(state.added + n) % added_modulus,
             **fields,
         )

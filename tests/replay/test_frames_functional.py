@@ -372,3 +372,46 @@ def test_bool_frames_as_the_host_buffer_stores_them():
         t = int(drawn.Rn[row])
         np.testing.assert_array_equal(drawn.S[row], batches[t].S[0])
         np.testing.assert_array_equal(drawn.S_next[row], batches[t].S_next[0])
+
+
+def test_a_state_used_with_a_smaller_window_still_drops_transitions_that_lost_frames():
+    # transitions added with a large window may refer to frames that far back; a buffer made
+    # with a small window used to assume they could not, kept such a transition's priority
+    # after its frames were overwritten and sampled wrong stacks
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 255, (1000, 4, 4), dtype=np.uint8)
+    large = make_prioritized_frame_stack_buffer(300, stack_size=2, frame_capacity=400)
+    small = make_prioritized_frame_stack_buffer(300, stack_size=2, frame_capacity=400, window=4)
+
+    def transition(t, a, b, c):
+        return TransitionBatch.from_single(
+            s=frames[[a, b]],
+            a=0,
+            logp=0.0,
+            r=float(t),
+            done=False,
+            gamma=0.9,
+            s_next=frames[[b, c]],
+        )
+
+    stream = [transition(t, 2 * t, 2 * t + 1, 2 * t + 2) for t in range(200)]
+    stream.append(transition(200, 100, 401, 402))  # refers to a frame 300 frames back
+    stream += [transition(201 + j, 403 + 2 * j, 404 + 2 * j, 405 + 2 * j) for j in range(60)]
+    example = jax.tree_util.tree_map(lambda x: x[0], stream[0])
+    assert int(large.init(example).window) == 396 and int(small.init(example).window) == 4
+    state = large.init(example)
+    add_large, add_small = jax.jit(large.add), jax.jit(small.add)
+    for t, batch in enumerate(stream):
+        state = (add_large if t <= 200 else add_small)(state, batch)
+    assert int(state.window) == 396
+    slot = 200 % 300
+    ids = np.asarray(state.transitions.items.S)[slot]
+    assert int(state.frame_count) - ids.min() > 400  # its first frame was overwritten
+    assert float(np.asarray(sum_tree_values(state.transitions.tree))[slot]) == 0.0
+    for seed in range(5):
+        out = small.sample(state, jax.random.PRNGKey(seed), 64)
+        for row in range(64):
+            t = int(out.items.Rn[row])
+            assert t != 200
+            np.testing.assert_array_equal(out.items.S[row], stream[t].S[0])
+            np.testing.assert_array_equal(out.items.S_next[row], stream[t].S_next[0])
