@@ -499,6 +499,9 @@ class ShardedReplay:
             raise ValueError(f"idx must be a 1-d array of ints, got {idx.dtype}{list(idx.shape)}")
         if idx.size and idx.min() < 0:
             raise ValueError(f"idx must be non-negative transition ids, got {idx.min()}")
+        if idx.size and idx.dtype.kind == "u" and idx.max() > np.iinfo(np.int64).max:
+            # the cast below would wrap it to a negative id of some other shard
+            raise ValueError(f"idx must be transition ids below 2**63, got {idx.max()}")
         adv = np.asarray(Adv)
         if adv.dtype.kind not in "biuf":
             raise TypeError(f"Adv must be a numeric array, got dtype {adv.dtype}")

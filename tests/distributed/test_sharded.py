@@ -146,6 +146,11 @@ def test_updates_are_routed_to_the_owning_shard(ray_cluster):
         replay.update(batch.idx, np.ones(3))
     with pytest.raises(ValueError, match="finite"):
         replay.update(batch.idx[:1], np.array([np.nan]))
+    # an unsigned id beyond int64 would wrap to -1 (shard 1): nothing reaches shard 0 either
+    totals = [t["total"] for t in replay.totals()]
+    with pytest.raises(ValueError, match="below 2\\*\\*63"):
+        replay.update(np.array([2**64 - 1, 0], np.uint64), np.array([1.0, 1e4]))
+    assert [t["total"] for t in replay.totals()] == totals
     assert np.mean(replay.sample(400).idx == favourite) > 0.5
 
 
