@@ -80,7 +80,9 @@ class RateLimiter(RemoteClass):
     insert and a waiting sample can block each other.
 
     Use it through :class:`ShardedReplay` (``rate_limiter=RateLimiter.remote(...)``): the
-    shards ask it before every add, the client before every sample. The class also works
+    shards ask it before every add (:meth:`reserve_inserts`, counted by
+    :meth:`confirm_inserts` once the batch is in the buffer, so a rejected batch never
+    lets a sample through), the client before every sample. The class also works
     in-process (without Ray), e.g. with threads.
 
     Parameters
@@ -124,6 +126,7 @@ class RateLimiter(RemoteClass):
         self._min_diff = self._spi * self._min_size - self._error_buffer
         self._max_diff = self._spi * self._min_size + self._error_buffer
         self._inserts = 0
+        self._reserved = 0  # allowed inserts not yet carried out: invisible to samples
         self._samples = 0
         self._cond = threading.Condition()
 
@@ -132,9 +135,10 @@ class RateLimiter(RemoteClass):
         _check_args(*args, **kwargs)
 
     def _can_insert(self, n: int) -> bool:
-        if self._inserts + n <= self._min_size:
+        inserts = self._inserts + self._reserved + n
+        if inserts <= self._min_size:
             return True
-        return self._spi * (self._inserts + n) - self._samples <= self._max_diff
+        return self._spi * inserts - self._samples <= self._max_diff
 
     def _can_sample(self, n: int) -> bool:
         if self._inserts < self._min_size:
@@ -142,15 +146,18 @@ class RateLimiter(RemoteClass):
         return self._spi * self._inserts - (self._samples + n) >= self._min_diff
 
     def _wait(self, kind: str, n: Any, timeout: Any) -> None:
+        """Wait until ``n`` may be sampled (``kind="sample"``) or inserted (``"insert"``,
+        ``"reserved insert"``), then count them."""
         n = _check_count("n", n, 0)
         timeout = _check_timeout(timeout)
-        if kind == "insert":
-            allowed, window = self._can_insert, self._spi * n
+        if kind == "sample":
+            allowed, window, what = self._can_sample, float(n), "a sample"
         else:
-            allowed, window = self._can_sample, float(n)
+            allowed, window = self._can_insert, self._spi * n
+            what = "an insert" if kind == "insert" else "a reserved insert"
         if window > self._max_diff - self._min_diff:
             raise ValueError(
-                f"a {kind} of {n} transitions can never fit in the rate limiter's window of "
+                f"{what} of {n} transitions can never fit in the rate limiter's window of "
                 f"2 * error_buffer = {self._max_diff - self._min_diff}; raise error_buffer or "
                 f"use smaller batches"
             )
@@ -158,11 +165,13 @@ class RateLimiter(RemoteClass):
         with self._cond:
             if not self._cond.wait_for(lambda: allowed(n), timeout):
                 raise TimeoutError(
-                    f"rate limiter: a {kind} of {n} transitions waited {time.monotonic() - tic:.3g}"
+                    f"rate limiter: {what} of {n} transitions waited {time.monotonic() - tic:.3g}"
                     f" s (timeout {timeout} s); {self._describe()}"
                 )
             if kind == "insert":
                 self._inserts += n
+            elif kind == "reserved insert":
+                self._reserved += n
             else:
                 self._samples += n
             self._cond.notify_all()
@@ -170,6 +179,7 @@ class RateLimiter(RemoteClass):
     def _describe(self) -> str:
         return (
             f"inserts={self._inserts}, samples={self._samples}, "
+            f"reserved inserts={self._reserved}, "
             f"samples_per_insert={self._spi}, min_size_to_sample={self._min_size}, "
             f"error_buffer={self._error_buffer}"
         )
@@ -193,6 +203,33 @@ class RateLimiter(RemoteClass):
         """
         self._wait("insert", n, timeout)
 
+    def reserve_inserts(self, n: int, timeout: float | None = None) -> None:
+        """Wait like :meth:`insert`, then reserve ``n`` inserts without counting them yet.
+
+        Reserved inserts hold back further inserts as counted ones do, but no sample is
+        allowed on their account until :meth:`confirm_inserts` counts them (once they are
+        in the buffer); :meth:`release_inserts` drops them (a batch the buffer rejected).
+        So an insert that fails never lets a sample run ahead of the ratio.
+
+        Raises
+        ------
+        TimeoutError
+            If the insert was not allowed within ``timeout``; nothing is reserved.
+        ValueError
+            If ``n`` is negative or can never fit in the window.
+        """
+        self._wait("reserved insert", n, timeout)
+
+    def confirm_inserts(self, n: int) -> None:
+        """Count ``n`` reserved inserts (see :meth:`reserve_inserts`) as carried out.
+
+        Raises
+        ------
+        ValueError
+            If ``n`` is negative or more than the inserts reserved; nothing is changed.
+        """
+        self._unreserve(n, confirm=True)
+
     def sample(self, n: int, timeout: float | None = None) -> None:
         """Wait until ``n`` transitions may be sampled, then count them.
 
@@ -214,18 +251,24 @@ class RateLimiter(RemoteClass):
         self._wait("sample", n, timeout)
 
     def release_inserts(self, n: int) -> None:
-        """Uncount ``n`` inserts that were allowed but not carried out (a rejected batch).
+        """Drop ``n`` reserved inserts that were not carried out (a rejected batch).
 
         Raises
         ------
         ValueError
-            If ``n`` is negative or more than the inserts counted.
+            If ``n`` is negative or more than the inserts reserved; nothing is changed.
         """
+        self._unreserve(n, confirm=False)
+
+    def _unreserve(self, n: Any, confirm: bool) -> None:
         n = _check_count("n", n, 0)
         with self._cond:
-            if n > self._inserts:
-                raise ValueError(f"cannot release {n} inserts: only {self._inserts} counted")
-            self._inserts -= n
+            if n > self._reserved:
+                what = "confirm" if confirm else "release"
+                raise ValueError(f"cannot {what} {n} inserts: only {self._reserved} reserved")
+            self._reserved -= n
+            if confirm:
+                self._inserts += n
             self._cond.notify_all()
 
     def counts(self) -> dict[str, int]:

@@ -59,12 +59,15 @@ class _Shard(ReplayServer):
         if self._limiter is None or not isinstance(transition_batch, TransitionBatch):
             return super().add(transition_batch, Adv)
         n = transition_batch.batch_size
-        self._ask_limiter(self._limiter.insert.remote(n, self._insert_timeout))
+        # reserved, not counted: samples see these inserts only once they are in the buffer
+        self._ask_limiter(self._limiter.reserve_inserts.remote(n, self._insert_timeout))
         try:
-            return super().add(transition_batch, Adv)
+            added = super().add(transition_batch, Adv)
         except BaseException:
             self._ask_limiter(self._limiter.release_inserts.remote(n))
             raise
+        self._ask_limiter(self._limiter.confirm_inserts.remote(n))
+        return added
 
     @staticmethod
     def _ask_limiter(ref: Any) -> Any:

@@ -98,6 +98,46 @@ def test_shard_adds_and_client_samples_follow_the_limiter(ray_cluster):
     assert time.monotonic() - tic < 10
 
 
+def test_a_rejected_batch_never_lets_a_waiting_sample_through(ray_cluster):
+    ray = ray_cluster
+    limiter = RateLimiter.remote(min_size_to_sample=8, samples_per_insert=1.0, error_buffer=8.0)
+    replay = ShardedReplay(
+        [SimpleReplayBuffer(100, random_seed=s) for s in (1, 2)], rate_limiter=limiter
+    )
+    replay.add(make_batch(0, 0, 8))
+    replay.add(make_batch(0, 8, 8))
+    replay.sample(16, timeout=5)  # 16 - 16 = 0 = r m - e: the next sample waits
+    waiting = replay.sample_async(8, timeout=2.0)
+    time.sleep(0.5)
+    assert not waiting.done()
+    bad = make_batch(0, 0, 8).replace(S=np.zeros((8, 5), np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        replay.add(bad)
+    with pytest.raises(TimeoutError, match="a sample of 8"):
+        waiting.result()  # the rejected batch's permission did not count as inserted
+    assert ray.get(limiter.counts.remote()) == {"inserts": 16, "samples": 16}
+    replay.add(make_batch(0, 16, 8))
+    assert replay.sample(8, timeout=5).batch_size == 8
+
+
+def test_reserved_inserts_hold_back_inserts_but_not_samples():
+    limiter = RateLimiter(min_size_to_sample=2, samples_per_insert=1.0, error_buffer=4.0)
+    limiter.reserve_inserts(2)
+    with pytest.raises(TimeoutError, match="a sample of 1"):
+        limiter.sample(1, timeout=0)  # reserved inserts are not in the buffer yet
+    limiter.reserve_inserts(4)  # 6 - 0 <= 2 + 4
+    with pytest.raises(TimeoutError, match="a reserved insert of 1"):
+        limiter.reserve_inserts(1, timeout=0)
+    with pytest.raises(ValueError, match="cannot confirm 7"):
+        limiter.confirm_inserts(7)
+    limiter.confirm_inserts(2)
+    limiter.release_inserts(4)
+    assert limiter.counts() == {"inserts": 2, "samples": 0}
+    limiter.sample(2, timeout=0)
+    with pytest.raises(ValueError, match="cannot release 1 inserts: only 0 reserved"):
+        limiter.release_inserts(1)
+
+
 def test_a_killed_limiter_is_named_on_the_next_sample_and_add(ray_cluster):
     from coax_utils.distributed import PrefetchingSampler, ReplayShardError
 
