@@ -32,7 +32,10 @@ def _actor_class(cls: type) -> Any:
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
         }
-        actor_cls = ray.remote(type(cls.__name__, (cls,), namespace))
+        local = type(cls.__name__, (cls,), namespace)
+        groups = cls._concurrency_groups
+        # Ray takes concurrency groups only here, not in ``.options``
+        actor_cls = ray.remote(concurrency_groups=groups)(local) if groups else ray.remote(local)
         _ACTOR_CLASSES[cls] = actor_cls
     return actor_cls
 
@@ -56,10 +59,14 @@ class RemoteClass:
     The constructor arguments are checked in the calling process first (``_validate_args``),
     so bad input raises its ValueError/TypeError right there instead of killing the actor.
     ``Cls.options(**ray_actor_options).remote(*args)`` passes options such as ``num_cpus``,
-    ``name`` or ``max_restarts`` on to Ray; ``_ray_options`` holds the class's defaults.
+    ``name`` or ``max_restarts`` on to Ray; ``_ray_options`` holds the class's defaults and
+    ``_concurrency_groups`` its Ray concurrency groups (fixed per class).
     """
 
     _ray_options: ClassVar[dict[str, Any]] = {}
+    #: Ray concurrency groups of the actor class (name -> threads); methods join one with
+    #: ``@ray.method(concurrency_group=name)``, the others share ``max_concurrency`` threads.
+    _concurrency_groups: ClassVar[dict[str, int] | None] = None
 
     @classmethod
     def _validate_args(cls, *args: Any, **kwargs: Any) -> None:

@@ -43,6 +43,9 @@ class _Shard(ReplayServer):
     """A :class:`ReplayServer` whose ``add`` first waits for the rate limiter (if any)."""
 
     _ray_options: ClassVar[dict[str, Any]] = {"max_concurrency": 16}
+    # adds waiting for the rate limiter take threads of their own: however many wait, the
+    # samples (whose permits let them go on), updates and counters still find a thread
+    _concurrency_groups: ClassVar[dict[str, int] | None] = {"adds": 16}
 
     def __init__(
         self, buffer: Any, limiter: Any = None, insert_timeout: float | None = None
@@ -55,6 +58,7 @@ class _Shard(ReplayServer):
     def _validate_args(cls, buffer: Any, limiter: Any = None, insert_timeout: Any = None) -> None:
         super()._validate_args(buffer)
 
+    @ray.method(concurrency_group="adds")
     def add(self, transition_batch: TransitionBatch, Adv: Any = None) -> int:
         if self._limiter is None or not isinstance(transition_batch, TransitionBatch):
             return super().add(transition_batch, Adv)
@@ -224,8 +228,9 @@ class ShardedReplay:
         :class:`TimeoutError` to the writer (None: no limit).
     shard_options : dict, optional
         Ray actor options for the shards (``num_cpus``, ``resources``,
-        ``scheduling_strategy``, ...); by default ``max_concurrency=16`` so that adds
-        waiting for the rate limiter do not hold up samples.
+        ``scheduling_strategy``, ...); by default ``max_concurrency=16``. Adds run on
+        16 threads of their own (a Ray concurrency group), so however many adds wait for
+        the rate limiter, samples, updates and counters are still served.
 
     Raises
     ------

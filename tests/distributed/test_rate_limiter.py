@@ -120,6 +120,24 @@ def test_a_rejected_batch_never_lets_a_waiting_sample_through(ray_cluster):
     assert replay.sample(8, timeout=5).batch_size == 8
 
 
+def test_adds_waiting_for_the_limiter_do_not_starve_the_samples_that_free_them(ray_cluster):
+    ray = ray_cluster
+    limiter = RateLimiter.remote(min_size_to_sample=4, samples_per_insert=1.0, error_buffer=8.0)
+    replay = ShardedReplay([SimpleReplayBuffer(1000)], rate_limiter=limiter, timeout=20)
+    # more waiting adds than the shard has threads (a writer that does not wait for acks)
+    refs = [replay.add(make_batch(0, 4 * i, 4), wait=False) for i in range(24)]
+    deadline = time.monotonic() + 20
+    while ray.get(limiter.counts.remote())["inserts"] < 12:  # 3 adds allowed: 12 <= 4 + 8
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    tic = time.monotonic()
+    for _ in range(21):  # each sample of 4 lets one more add of 4 in
+        assert replay.sample(4, timeout=10).batch_size == 4
+    assert time.monotonic() - tic < 20
+    assert ray.get(refs, timeout=20) == [4] * 24
+    assert replay.size() == 96
+
+
 def test_reserved_inserts_hold_back_inserts_but_not_samples():
     limiter = RateLimiter(min_size_to_sample=2, samples_per_insert=1.0, error_buffer=4.0)
     limiter.reserve_inserts(2)
