@@ -302,7 +302,7 @@ class ReplayServer(RemoteClass):
             utils.dump(self._buffer, path)
         return path
 
-    def restore(self, path: str | os.PathLike) -> int:
+    def restore(self, path: str | os.PathLike, *, safe: bool = True) -> int:
         """Replace the served buffer by the one saved at ``path`` (see :meth:`save`).
 
         Parameters
@@ -310,6 +310,11 @@ class ReplayServer(RemoteClass):
         path : str or path-like
             A file written by :meth:`save` (or ``utils.dump(buffer, path)``), read on the
             server's node with :func:`utils.load`.
+        safe : bool
+            Read the file with ``utils.load(path, safe=True)``: plain data only, so an
+            edited file cannot run code in the server. The buffers of
+            :mod:`coax_utils.replay` load this way; pass False only for a buffer type of
+            your own that needs unpickling, from a file you trust.
 
         Returns
         -------
@@ -319,19 +324,24 @@ class ReplayServer(RemoteClass):
         Raises
         ------
         ValueError
-            If the file is truncated or corrupted (from :func:`utils.load`); the served
-            buffer is unchanged.
+            If the file is truncated, corrupted or (with ``safe``) needs unpickling (from
+            :func:`utils.load`); the served buffer is unchanged.
         TypeError
             If the file does not hold a replay buffer; the served buffer is unchanged.
         """
-        from coax_utils import utils
-
-        buffer = utils.load(os.fspath(path))
-        try:
-            _check_buffer(buffer)
-        except TypeError as exc:
-            raise TypeError(f"{os.fspath(path)!r} does not hold a replay buffer: {exc}") from None
+        buffer = self._load(path, safe)
         with self._lock:
             self._buffer = buffer
             self._num_added = len(buffer)
             return len(buffer)
+
+    def _load(self, path: str | os.PathLike, safe: bool) -> Any:
+        """The replay buffer saved at ``path``, checked (nothing is changed)."""
+        from coax_utils import utils
+
+        buffer = utils.load(os.fspath(path), safe=bool(safe))
+        try:
+            _check_buffer(buffer)
+        except TypeError as exc:
+            raise TypeError(f"{os.fspath(path)!r} does not hold a replay buffer: {exc}") from None
+        return buffer

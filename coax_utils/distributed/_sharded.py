@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -18,7 +20,8 @@ from coax_utils.replay import PrioritizedReplayBuffer, TransitionBatch
 __all__ = ["PendingReply", "ReplayShardError", "ShardedReplay"]
 
 _MANIFEST = "sharded_replay.json"
-_MANIFEST_VERSION = 2
+_MANIFEST_VERSION = 3
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class ReplayShardError(RuntimeError):
@@ -39,6 +42,29 @@ def _check_timeout(name: str, value: Any) -> float | None:
     return float(value)
 
 
+def _sha256(path: str) -> str:
+    """The SHA-256 of a file's bytes (hex), read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _kind(buffer: Any) -> tuple[Any, ...]:
+    """What the shards of one replay share: the buffer type and, if prioritized, the
+    exponents and epsilon that global probabilities and weights depend on."""
+    if isinstance(buffer, PrioritizedReplayBuffer):
+        return (type(buffer), buffer.alpha, buffer.beta, buffer.epsilon)
+    return (type(buffer),)
+
+
+def _describe_kind(kind: tuple[Any, ...]) -> str:
+    if len(kind) == 1:
+        return kind[0].__name__
+    return f"{kind[0].__name__}(alpha={kind[1]}, beta={kind[2]}, epsilon={kind[3]})"
+
+
 class _Shard(ReplayServer):
     """A :class:`ReplayServer` whose ``add`` first waits for the rate limiter (if any)."""
 
@@ -53,6 +79,7 @@ class _Shard(ReplayServer):
         super().__init__(buffer)
         self._limiter = limiter
         self._insert_timeout = insert_timeout
+        self._staged: Any = None  # a checkpoint's buffer, loaded and checked, not yet served
 
     @classmethod
     def _validate_args(cls, buffer: Any, limiter: Any = None, insert_timeout: Any = None) -> None:
@@ -80,6 +107,52 @@ class _Shard(ReplayServer):
             return ray.get(ref)
         except ray.exceptions.RayActorError as exc:
             raise ReplayShardError(f"the rate limiter died or is unreachable: {exc}") from None
+
+    def _load(self, path: str | os.PathLike, safe: bool) -> Any:
+        """A saved buffer of the kind this shard serves (its siblings serve the same)."""
+        buffer = super()._load(path, safe)
+        new, old = _kind(buffer), _kind(self._buffer)
+        if new != old:
+            raise ValueError(
+                f"{os.fspath(path)!r} holds a {_describe_kind(new)}; this replay shard serves "
+                f"a {_describe_kind(old)} (all shards must hold buffers of one kind)"
+            )
+        return buffer
+
+    def checkpoint(self, path: str) -> str:
+        """:meth:`save` to ``path``; returns the SHA-256 of the file written."""
+        return _sha256(self.save(path))
+
+    def stage(self, path: str, sha256: str) -> int:
+        """Load and check the checkpoint at ``path`` without serving it yet; its size.
+
+        Raises ValueError if the file's SHA-256 is not ``sha256`` (edited, or saved by
+        another checkpoint) or it holds another kind of buffer; the served buffer is
+        unchanged either way.
+        """
+        if _sha256(path) != sha256:
+            raise ValueError(
+                f"{path!r} is not the file its checkpoint's manifest names (its SHA-256 "
+                "differs): it was edited, or written by another save"
+            )
+        buffer = self._load(path, True)
+        with self._lock:
+            self._staged = buffer
+            return len(buffer)
+
+    def commit_staged(self) -> int:
+        """Serve the buffer :meth:`stage` loaded; returns its size."""
+        with self._lock:
+            if self._staged is None:
+                raise RuntimeError("no checkpoint is staged on this replay shard")
+            self._buffer, self._staged = self._staged, None
+            self._num_added = len(self._buffer)
+            return len(self._buffer)
+
+    def drop_staged(self) -> None:
+        """Forget the buffer :meth:`stage` loaded (a restore that was refused)."""
+        with self._lock:
+            self._staged = None
 
     def sample_share(self, count: int, permit: Any = None) -> dict[str, Any]:
         """Draw ``count`` transitions (none from an empty buffer) with the shard's totals.
@@ -592,10 +665,10 @@ class ShardedReplay:
         folder = os.path.abspath(os.fspath(folder))
         os.makedirs(folder, exist_ok=True)
         refs = {
-            i: s.save.remote(os.path.join(folder, f"shard-{i}.lz4"))
+            i: s.checkpoint.remote(os.path.join(folder, f"shard-{i}.lz4"))
             for i, s in enumerate(self.shards)
         }
-        self._gather(refs)
+        digests = self._gather(refs)
         limiter = None
         if self.rate_limiter is not None:
             limiter = self._get(self.rate_limiter.counts.remote(), None)
@@ -609,6 +682,7 @@ class ShardedReplay:
             "rng": rng_state,
             "rate_limiter": limiter,
             "hint": hint,
+            "sha256": [digests[i] for i in range(self.num_shards)],
         }
         tmp = os.path.join(folder, _MANIFEST + ".tmp")
         with open(tmp, "w") as f:
@@ -629,7 +703,7 @@ class ShardedReplay:
             ) from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path!r} is corrupted: {exc}") from None
-        keys = {"format", "num_shards", "next_shard", "rng", "rate_limiter", "hint"}
+        keys = {"format", "num_shards", "next_shard", "rng", "rate_limiter", "hint", "sha256"}
         if not isinstance(manifest, dict) or set(manifest) != keys:
             raise ValueError(f"{path!r} is not a ShardedReplay manifest (keys {sorted(keys)})")
         if manifest["format"] != _MANIFEST_VERSION:
@@ -652,9 +726,20 @@ class ShardedReplay:
             raise ValueError(f"{path!r}: hint must be null or one finite total >= 0 per shard")
         counts = manifest["rate_limiter"]
         if counts is not None and (
-            not isinstance(counts, dict) or set(counts) != {"inserts", "samples"}
+            not isinstance(counts, dict)
+            or set(counts) != {"inserts", "samples"}
+            or not all(_is_int(c) and c >= 0 for c in counts.values())
         ):
-            raise ValueError(f"{path!r}: rate_limiter must be null or inserts/samples counts")
+            raise ValueError(
+                f"{path!r}: rate_limiter must be null or inserts/samples counts (ints >= 0)"
+            )
+        digests = manifest["sha256"]
+        if not (
+            isinstance(digests, list)
+            and len(digests) == self.num_shards
+            and all(isinstance(d, str) and _SHA256.fullmatch(d) for d in digests)
+        ):
+            raise ValueError(f"{path!r}: sha256 must hold one hex SHA-256 per shard file")
         if (counts is None) != (self.rate_limiter is None):
             raise ValueError(
                 f"{folder!r} was saved {'without' if counts is None else 'with'} a rate "
@@ -687,9 +772,12 @@ class ShardedReplay:
         ------
         ValueError
             If the manifest is missing, corrupted or made for another number of shards or
-            for a replay with(out) a rate limiter, or a shard file is missing; nothing is
-            changed. A shard's own error if its file is corrupted (the shards restored
-            before it keep their restored buffers).
+            for a replay with(out) a rate limiter, or a shard file is missing, edited,
+            written by another save (its SHA-256 differs from the manifest's), corrupted or
+            holds another kind of buffer than the shards serve. Nothing is changed: every
+            shard loads and checks its file before any of them serves it.
+        ReplayShardError, TimeoutError
+            If a shard died or did not answer (before the switch: nothing is changed).
         """
         folder = os.path.abspath(os.fspath(folder))
         manifest = self._read_manifest(folder)
@@ -698,12 +786,18 @@ class ShardedReplay:
             rng.bit_generator.state = manifest["rng"]
         except (TypeError, ValueError, KeyError, OverflowError) as exc:
             raise ValueError(f"{folder!r}: bad RNG state in the manifest: {exc}") from None
-        sizes = self._gather(
-            {
-                i: s.restore.remote(os.path.join(folder, f"shard-{i}.lz4"))
-                for i, s in enumerate(self.shards)
-            }
-        )
+        staged = {
+            i: s.stage.remote(os.path.join(folder, f"shard-{i}.lz4"), manifest["sha256"][i])
+            for i, s in enumerate(self.shards)
+        }
+        try:
+            self._gather(staged)
+        except BaseException:
+            for shard in self.shards:  # best effort: a dead shard holds nothing anyway
+                shard.drop_staged.remote()
+            raise
+        # every file is loaded and checked: switch all shards
+        sizes = self._gather({i: s.commit_staged.remote() for i, s in enumerate(self.shards)})
         if manifest["rate_limiter"] is not None:
             counts = manifest["rate_limiter"]
             ref = self.rate_limiter.set_counts.remote(counts["inserts"], counts["samples"])

@@ -318,6 +318,91 @@ def test_save_and_restore_all_shards_continue_the_rng_streams(ray_cluster, tmp_p
         assert fresh.size() == 0
 
 
+class _CodeRunner:
+    """Looks like a replay buffer; unpickling it would run code in the shard."""
+
+    def __reduce__(self):
+        return (print, ("code from a checkpoint ran",))
+
+
+def test_a_damaged_or_mixed_checkpoint_is_refused_before_any_shard_changes(ray_cluster, tmp_path):
+    import hashlib
+
+    from coax_utils import utils
+
+    ray = ray_cluster
+    saved = ShardedReplay(_prioritized([1, 2]), seed=0)
+    _fill(saved, [np.ones(10), np.ones(12)])
+    good = saved.save(tmp_path / "good")
+    other = ShardedReplay(
+        [PrioritizedReplayBuffer(200, alpha=0.2, beta=BETA, epsilon=EPS) for _ in range(2)]
+    )
+    _fill(other, [np.ones(30), np.ones(30)])
+    foreign = other.save(tmp_path / "other")
+    uniform = ShardedReplay([SimpleReplayBuffer(50), SimpleReplayBuffer(50)])
+    uniform.add(make_batch(0, 0, 3), shard=1)
+    plain = uniform.save(tmp_path / "uniform")
+    utils.dump(_CodeRunner(), tmp_path / "code.lz4")
+
+    def damaged(name, edit):
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        edit(folder)
+        return folder
+
+    def forge(folder, shard, source):
+        """Put ``source`` in place of a shard file and make the manifest name its digest."""
+        shutil.copy(source, folder / f"shard-{shard}.lz4")
+        manifest = json.loads((folder / "sharded_replay.json").read_text())
+        digest = hashlib.sha256((folder / f"shard-{shard}.lz4").read_bytes()).hexdigest()
+        manifest["sha256"][shard] = digest
+        (folder / "sharded_replay.json").write_text(json.dumps(manifest))
+
+    def flip(folder):
+        data = bytearray((folder / "shard-1.lz4").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (folder / "shard-1.lz4").write_bytes(bytes(data))
+
+    cases = [
+        ("another save's shard", lambda f: shutil.copy(f"{foreign}/shard-1.lz4", f), "SHA-256"),
+        ("a shard twice", lambda f: shutil.copy(f / "shard-0.lz4", f / "shard-1.lz4"), "SHA-256"),
+        ("an edited byte", flip, "SHA-256"),
+        ("other exponents", lambda f: forge(f, 1, f"{foreign}/shard-1.lz4"), "alpha=0.2"),
+        ("another type", lambda f: forge(f, 1, f"{plain}/shard-1.lz4"), "SimpleReplayBuffer"),
+        ("code", lambda f: forge(f, 1, tmp_path / "code.lz4"), "unpickl|pickle"),
+    ]
+    target = ShardedReplay(_prioritized([5, 6]), seed=1)
+    target.add(make_batch(9, 0, 4), np.ones(4), shard=0)
+    totals = target.totals()
+    for name, edit, message in cases:
+        folder = damaged(name.replace(" ", "_").replace("'", ""), lambda f, edit=edit: edit(f))
+        with pytest.raises(ValueError, match=message):
+            target.restore(folder)
+        assert target.totals() == totals, name  # shard 0 was not restored either
+    assert target.restore(good) == 22
+
+    # rate-limiter counts that the limiter would refuse: refused before the shards change
+    limiter = RateLimiter.remote(min_size_to_sample=4, samples_per_insert=1.0, error_buffer=1e3)
+    limited = ShardedReplay(_prioritized([1, 2]), rate_limiter=limiter, seed=0)
+    limited.add(make_batch(0, 0, 8), np.ones(8), shard=0)
+    folder = limited.save(tmp_path / "limited")
+    manifest = json.loads((tmp_path / "limited" / "sharded_replay.json").read_text())
+    manifest["rate_limiter"] = {"inserts": -5, "samples": 0}
+    (tmp_path / "limited" / "sharded_replay.json").write_text(json.dumps(manifest))
+    limited.add(make_batch(0, 8, 8), np.ones(8), shard=1)
+    with pytest.raises(ValueError, match="rate_limiter"):
+        limited.restore(folder)
+    assert [t["size"] for t in limited.totals()] == [8, 8]
+    assert ray.get(limiter.counts.remote()) == {"inserts": 16, "samples": 0}
+
+    # one shard on its own takes only a buffer of the kind its siblings serve
+    with pytest.raises(ValueError, match="SimpleReplayBuffer"):
+        ray.get(target.shards[1].restore.remote(f"{plain}/shard-1.lz4"))
+    with pytest.raises(ValueError, match="pickl"):
+        ray.get(target.shards[1].restore.remote(tmp_path / "code.lz4"))
+    assert [t["size"] for t in target.totals()] == [10, 12]
+
+
 def test_prefetching_sampler_serves_batches_and_sends_updates(ray_cluster):
     replay = ShardedReplay(_prioritized([1, 2]), seed=0)
     _fill(replay, [np.ones(30), np.ones(30)])
