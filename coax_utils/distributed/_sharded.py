@@ -32,13 +32,15 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _check_timeout(name: str, value: Any) -> float | None:
+def _check_timeout(name: str, value: Any, positive: bool = False) -> float | None:
+    """None, or a finite float >= 0 (> 0 with ``positive``)."""
     if value is None:
         return None
+    what = f"None or a finite float {'>' if positive else '>='} 0"
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-        raise TypeError(f"{name} must be None or a float >= 0, got {value!r}")
-    if not (np.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be None or a float >= 0, got {value!r}")
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    if not (np.isfinite(value) and (value > 0 if positive else value >= 0)):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
     return float(value)
 
 
@@ -186,6 +188,7 @@ class PendingReply:
         self._refs = refs
         self._finish = finish
         self._extra = extra or {}
+        self._outcome: tuple[bool, Any] | None = None  # (ok, result or error) once known
 
     def done(self) -> bool:
         """Whether every reply has arrived (or failed): :meth:`result` then returns at once."""
@@ -196,7 +199,10 @@ class PendingReply:
         return len(ready) == len(refs)
 
     def result(self) -> Any:
-        """Wait for the replies and return the call's result (call it once).
+        """Wait for the replies and return the call's result.
+
+        A later call returns the same result (or raises the same error) again: the replies
+        are combined once (a sample's per-shard counts are drawn once).
 
         Raises
         ------
@@ -205,11 +211,20 @@ class PendingReply:
         Exception
             A shard's or the limiter's own error (e.g. the limiter's TimeoutError).
         """
-        replies = {
-            key: self._replay._get(ref, key, self._extra.get(key, 0.0))
-            for key, ref in self._refs.items()
-        }
-        return self._finish(replies)
+        if self._outcome is None:
+            try:
+                replies = {
+                    key: self._replay._get(ref, key, self._extra.get(key, 0.0))
+                    for key, ref in self._refs.items()
+                }
+                self._outcome = (True, self._finish(replies))
+            except Exception as exc:
+                self._outcome = (False, exc)
+            self._refs = {}  # the replies are no longer needed: Ray may free them
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
 
 
 def _is_total(x: Any) -> bool:
@@ -294,8 +309,9 @@ class ShardedReplay:
     seed : int, optional
         Seed of the client's RNG (the per-shard counts of a sample).
     timeout : float, optional
-        Seconds a call waits for a shard's reply (beyond any rate-limiter wait) before it
-        raises; None waits forever (not advised: a lost node then hangs the learner).
+        Seconds (> 0) a call waits for a shard's reply (beyond any rate-limiter wait)
+        before it raises; None waits forever (not advised: a lost node then hangs the
+        learner).
     insert_timeout : float, optional
         Seconds a shard's ``add`` waits for the rate limiter before it raises
         :class:`TimeoutError` to the writer (None: no limit).
@@ -343,7 +359,8 @@ class ShardedReplay:
             )
         if seed is not None and not _is_int(seed):
             raise TypeError(f"seed must be None or an int, got {seed!r}")
-        self.timeout = _check_timeout("timeout", timeout)
+        # 0 would fail every call before its reply could arrive (and cancel it)
+        self.timeout = _check_timeout("timeout", timeout, positive=True)
         insert_timeout = _check_timeout("insert_timeout", insert_timeout)
         if shard_options is not None and not isinstance(shard_options, dict):
             raise TypeError(f"shard_options must be a dict, got {type(shard_options).__name__}")

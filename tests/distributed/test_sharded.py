@@ -171,6 +171,10 @@ def test_round_robin_adds_and_argument_errors(ray_cluster):
         ShardedReplay([PrioritizedReplayBuffer(5, beta=0.4), PrioritizedReplayBuffer(5)])
     with pytest.raises(ValueError, match="at least one"):
         ShardedReplay([])
+    with pytest.raises(ValueError, match="timeout must be None or a finite float > 0"):
+        ShardedReplay([SimpleReplayBuffer(5)], timeout=0)  # every call would time out
+    with pytest.raises(ValueError, match="timeout"):
+        replay.sample(4, timeout=float("nan"))
     empty = ShardedReplay([SimpleReplayBuffer(5)])
     with pytest.raises(ValueError, match="empty"):
         empty.sample(4)
@@ -418,6 +422,7 @@ def test_prefetching_sampler_serves_batches_and_sends_updates(ray_cluster):
     pending = replay.sample_async(16)  # the requests are out; the batch is collected later
     batch = pending.result()
     assert pending.done() and batch.batch_size == 16
+    assert pending.result() is batch  # combined once: no second draw of the counts
     assert np.mean(replay.sample(400).idx == favourite) > 0.5  # the updates all landed
     with pytest.raises(ValueError, match="num_in_flight"):
         PrefetchingSampler(replay, 32, num_in_flight=0)
