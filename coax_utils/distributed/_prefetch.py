@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,10 @@ class PrefetchingSampler:
     round trip on 2 shared cores, where round trips vary a lot: the learner waited a median
     of 0.002 of a round trip with 4 in flight, 0.004 with 2, 0.79 with 1 (see the
     distributed benchmarks page).
+
+    A sampler that is no longer referenced stops its thread when it is garbage collected,
+    as after :meth:`close` (without waiting for its updates); prefer :meth:`close` or a
+    ``with`` block, which also raise a failed update's error.
 
     :meth:`update` sends new priorities without waiting (fire and forget). The background
     thread collects their acknowledgements after each batch, so :meth:`sample` makes no
@@ -83,8 +88,8 @@ class PrefetchingSampler:
                     f"replay must have sample_async and update methods (a ShardedReplay), got "
                     f"{type(replay).__name__}"
                 )
-        self._batch_size = _check_count("batch_size", batch_size, 1)
-        self._num_in_flight = _check_count("num_in_flight", num_in_flight, 1)
+        batch_size = _check_count("batch_size", batch_size, 1)
+        num_in_flight = _check_count("num_in_flight", num_in_flight, 1)
         self._max_pending = _check_count("max_pending_updates", max_pending_updates, 1)
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.number))
@@ -93,41 +98,10 @@ class PrefetchingSampler:
         if timeout is not None and not (np.isfinite(timeout) and timeout >= 0):
             raise ValueError(f"timeout must be None or a float >= 0, got {timeout!r}")
         self._replay = replay
-        self._timeout = timeout
-        self._cond = threading.Condition()
-        self._ready: collections.deque = collections.deque()  # (batch, error) pairs
-        self._updates: collections.deque = collections.deque()  # sent, not acknowledged
-        self._errors: collections.deque = collections.deque()  # of acknowledged updates
-        self._acknowledging = 0  # updates taken off the queue whose reply is being read
-        self._closed = False
-        self._thread = threading.Thread(target=self._fetch, name="prefetch", daemon=True)
-        self._thread.start()
-
-    def _fetch(self) -> None:
-        """The background thread: keep requests in flight, queue their batches in order."""
-        pending: collections.deque = collections.deque()
-        while True:
-            with self._cond:
-                self._cond.wait_for(
-                    lambda: self._closed or pending or len(self._ready) < self._num_in_flight
-                )
-                if self._closed:
-                    return
-                room = self._num_in_flight - len(self._ready) - len(pending)
-            try:
-                for _ in range(room):
-                    pending.append(self._replay.sample_async(self._batch_size, self._timeout))
-                item = (pending.popleft().result(), None)
-            except BaseException as exc:  # handed to the learner by sample()
-                item = (None, exc)
-            with self._cond:
-                self._ready.append(item)
-                self._cond.notify_all()
-            self._acknowledge()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the PrefetchingSampler is closed")
+        # the background thread holds the fetcher, not the sampler: a sampler nobody holds
+        # is collected, and its finalizer stops the thread
+        self._fetcher = _Fetcher(replay, batch_size, num_in_flight, timeout)
+        self._finalizer = weakref.finalize(self, self._fetcher.stop)
 
     def sample(self) -> TransitionBatch:
         """The next batch (waits only if it has not arrived yet).
@@ -141,14 +115,15 @@ class PrefetchingSampler:
         RuntimeError
             After :meth:`close`.
         """
+        f = self._fetcher
         self._check_open()
-        self._raise_update_error()
-        with self._cond:
-            self._cond.wait_for(lambda: self._ready or not self._thread.is_alive())
-            if not self._ready:
+        f.raise_update_error()
+        with f.cond:
+            f.cond.wait_for(lambda: f.ready or not f.thread.is_alive())
+            if not f.ready:
                 raise RuntimeError("the PrefetchingSampler's background thread stopped")
-            batch, error = self._ready.popleft()
-            self._cond.notify_all()
+            batch, error = f.ready.popleft()
+            f.cond.notify_all()
         if error is not None:
             raise error
         return batch
@@ -159,50 +134,18 @@ class PrefetchingSampler:
         Bad ids or values raise here (checked before anything is sent); a shard's later
         error is raised by a following :meth:`sample`, :meth:`update` or :meth:`close`.
         """
+        f = self._fetcher
         self._check_open()
-        self._raise_update_error()
+        f.raise_update_error()
         reply = self._replay.update(idx, Adv, wait=False)
-        with self._cond:
-            self._updates.append(reply)
-        self._acknowledge(keep=self._max_pending)
-        self._raise_update_error()
+        with f.cond:
+            f.updates.append(reply)
+        f.acknowledge(keep=self._max_pending)
+        f.raise_update_error()
 
-    def _acknowledge(self, keep: int | None = None) -> None:
-        """Collect acknowledgements of sent updates, oldest first, keeping their errors.
-
-        With ``keep=None`` only those that have arrived (the background thread does this
-        after each batch, so the learner's calls make no round trips); otherwise wait until
-        at most ``keep`` updates are outstanding.
-        """
-        while True:
-            with self._cond:
-                if len(self._updates) <= (keep or 0):
-                    return
-                reply = self._updates[0]
-            if keep is None and not reply.done():
-                return
-            with self._cond:
-                if not self._updates or self._updates[0] is not reply:
-                    continue  # the other thread took it
-                self._updates.popleft()
-                self._acknowledging += 1
-            error = None
-            try:
-                reply.result()
-            except BaseException as exc:
-                error = exc
-            with self._cond:
-                self._acknowledging -= 1
-                if error is not None:
-                    self._errors.append(error)
-                self._cond.notify_all()
-
-    def _raise_update_error(self) -> None:
-        """Raise the error of the oldest failed update, if any (once)."""
-        with self._cond:
-            error = self._errors.popleft() if self._errors else None
-        if error is not None:
-            raise error
+    def _check_open(self) -> None:
+        if self._fetcher.closed:
+            raise RuntimeError("the PrefetchingSampler is closed")
 
     def close(self) -> None:
         """Wait for the pending priority updates and stop prefetching (idempotent).
@@ -210,19 +153,104 @@ class PrefetchingSampler:
         Requests still in flight finish in the background and their batches are dropped
         (their rate-limiter samples stay counted).
         """
-        if self._closed:
+        f = self._fetcher
+        if f.closed:
             return
-        with self._cond:
-            self._closed = True
-            self._ready.clear()
-            self._cond.notify_all()
-        self._acknowledge(keep=0)
-        with self._cond:  # and the one the background thread may be reading
-            self._cond.wait_for(lambda: self._acknowledging == 0)
-        self._raise_update_error()
+        self._finalizer()  # stops the thread
+        f.acknowledge(keep=0)
+        with f.cond:  # and the one the background thread may be reading
+            f.cond.wait_for(lambda: f.acknowledging == 0)
+        f.raise_update_error()
 
     def __enter__(self) -> PrefetchingSampler:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+class _Fetcher:
+    """What the background thread of a :class:`PrefetchingSampler` shares with it."""
+
+    def __init__(
+        self, replay: Any, batch_size: int, num_in_flight: int, timeout: float | None
+    ) -> None:
+        self.replay = replay
+        self.batch_size = batch_size
+        self.num_in_flight = num_in_flight
+        self.timeout = timeout
+        self.cond = threading.Condition()
+        self.ready: collections.deque = collections.deque()  # (batch, error) pairs
+        self.updates: collections.deque = collections.deque()  # sent, not acknowledged
+        self.errors: collections.deque = collections.deque()  # of acknowledged updates
+        self.acknowledging = 0  # updates taken off the queue whose reply is being read
+        self.closed = False
+        self.thread = threading.Thread(target=self.fetch, name="prefetch", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop prefetching and drop the ready batches (the thread ends after its request)."""
+        with self.cond:
+            self.closed = True
+            self.ready.clear()
+            self.cond.notify_all()
+
+    def fetch(self) -> None:
+        """The background thread: keep requests in flight, queue their batches in order."""
+        pending: collections.deque = collections.deque()
+        while True:
+            with self.cond:
+                self.cond.wait_for(
+                    lambda: self.closed or pending or len(self.ready) < self.num_in_flight
+                )
+                if self.closed:
+                    return
+                room = self.num_in_flight - len(self.ready) - len(pending)
+            try:
+                for _ in range(room):
+                    pending.append(self.replay.sample_async(self.batch_size, self.timeout))
+                item = (pending.popleft().result(), None)
+            except BaseException as exc:  # handed to the learner by sample()
+                item = (None, exc)
+            with self.cond:
+                if not self.closed:
+                    self.ready.append(item)
+                self.cond.notify_all()
+            self.acknowledge()
+
+    def acknowledge(self, keep: int | None = None) -> None:
+        """Collect acknowledgements of sent updates, oldest first, keeping their errors.
+
+        With ``keep=None`` only those that have arrived (the background thread does this
+        after each batch, so the learner's calls make no round trips); otherwise wait until
+        at most ``keep`` updates are outstanding.
+        """
+        while True:
+            with self.cond:
+                if len(self.updates) <= (keep or 0):
+                    return
+                reply = self.updates[0]
+            if keep is None and not reply.done():
+                return
+            with self.cond:
+                if not self.updates or self.updates[0] is not reply:
+                    continue  # the other thread took it
+                self.updates.popleft()
+                self.acknowledging += 1
+            error = None
+            try:
+                reply.result()
+            except BaseException as exc:
+                error = exc
+            with self.cond:
+                self.acknowledging -= 1
+                if error is not None:
+                    self.errors.append(error)
+                self.cond.notify_all()
+
+    def raise_update_error(self) -> None:
+        """Raise the error of the oldest failed update, if any (once)."""
+        with self.cond:
+            error = self.errors.popleft() if self.errors else None
+        if error is not None:
+            raise error

@@ -1,8 +1,11 @@
 """ShardedReplay on a real local Ray cluster: exact sampling, routing, failures, checkpoints."""
 
+import gc
 import json
 import shutil
+import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -426,5 +429,17 @@ def test_prefetching_sampler_serves_batches_and_sends_updates(ray_cluster):
     assert np.mean(replay.sample(400).idx == favourite) > 0.5  # the updates all landed
     with pytest.raises(ValueError, match="num_in_flight"):
         PrefetchingSampler(replay, 32, num_in_flight=0)
+
+    # a sampler dropped without close is collected, and its thread stops
+    before = set(threading.enumerate())
+    sampler = PrefetchingSampler(replay, 8, num_in_flight=2)
+    (thread,) = [t for t in threading.enumerate() if t not in before and t.name == "prefetch"]
+    assert sampler.sample().batch_size == 8
+    dropped = weakref.ref(sampler)
+    del sampler
+    gc.collect()
+    assert dropped() is None
+    thread.join(timeout=30)
+    assert not thread.is_alive()
     with pytest.raises(TypeError, match="sample_async and update"):
         PrefetchingSampler(object(), 32)
