@@ -8,21 +8,30 @@ from typing import Any
 import jax
 import numpy as np
 
+from coax_utils._checks import is_int
 from coax_utils.distributed._actor import RemoteClass
 
 __all__ = ["ParameterServer"]
 
 
+def _frozen_copy(x: Any) -> np.ndarray:
+    x = np.array(x)  # a copy: the publisher may change its arrays in place afterwards
+    x.setflags(write=False)  # readers share it (in-process): none may change it for others
+    return x
+
+
 def _to_host(params: Any) -> Any:
     # Plain NumPy leaves: cheap to pickle, and readers need no accelerator.
-    return jax.tree_util.tree_map(np.asarray, params)
+    return jax.tree_util.tree_map(_frozen_copy, params)
 
 
 class ParameterServer(RemoteClass):
     """A Ray actor holding the latest policy parameters with a version number.
 
     The learner publishes with ``set``; rollout workers poll with ``get_if_newer`` and
-    receive the parameters only when they changed. Leaves are stored as NumPy arrays.
+    receive the parameters only when they changed. Leaves are stored as read-only copies
+    (NumPy arrays), so neither the publisher nor a reader can change published parameters
+    in place, also when the class is used in-process.
 
     Parameters
     ----------
@@ -82,7 +91,14 @@ class ParameterServer(RemoteClass):
         ----------
         version : int
             The version the caller holds.
+
+        Raises
+        ------
+        TypeError
+            If ``version`` is not an int.
         """
+        if not is_int(version):
+            raise TypeError(f"version must be an int, got {version!r}")
         with self._lock:
             if self._version > int(version):
                 return self._version, self._params

@@ -33,3 +33,18 @@ def test_versions_and_pull_only_when_newer(ray_cluster):
         ray.get(store.set.remote(None))
     assert ray.get(store.version.remote()) == 2
     ray.kill(store)
+
+
+def test_published_parameters_are_copies_nobody_changes_in_place():
+    w = np.array([1.0, 2.0])
+    store = ParameterServer({"w": w})
+    w[0] = 99.0  # the learner reuses its array after publishing
+    version, got = store.get()
+    np.testing.assert_array_equal(got["w"], [1.0, 2.0])
+    with pytest.raises(ValueError, match="read-only"):
+        got["w"][1] = -5.0  # a reader cannot change what the others get
+    assert store.get()[1]["w"][1] == 2.0
+    for bad in (1.5, "2", True):
+        with pytest.raises(TypeError, match="version must be an int"):
+            store.get_if_newer(bad)
+    assert store.get_if_newer(np.int64(0))[0] == 1
