@@ -8,6 +8,7 @@ import math
 import os
 import re
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -22,6 +23,7 @@ __all__ = ["PendingReply", "ReplayShardError", "ShardedReplay"]
 _MANIFEST = "sharded_replay.json"
 _MANIFEST_VERSION = 3
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_SHARD_FILE = re.compile(r"shard-(\d+)-[0-9a-f]{32}\.lz4")  # shard-<i>-<save token>.lz4
 
 
 class ReplayShardError(RuntimeError):
@@ -663,11 +665,13 @@ class ShardedReplay:
     def save(self, folder: str | os.PathLike) -> str:
         """Checkpoint every shard and the client's state into ``folder``.
 
-        Each shard writes ``shard-<i>.lz4`` there with :meth:`ReplayServer.save` (on the
-        shard's node: on a multi-node cluster ``folder`` must be shared storage); the client
-        writes ``sharded_replay.json`` (its RNG state, the shards' totals it last saw, the
-        round-robin position and the rate limiter's counters) last, atomically, so a folder
-        with a manifest is complete.
+        Each shard writes ``shard-<i>-<token>.lz4`` there with :meth:`ReplayServer.save`
+        (on the shard's node: on a multi-node cluster ``folder`` must be shared storage),
+        under a name new to this save; the client then writes ``sharded_replay.json`` (the
+        files' names and SHA-256, its RNG state, the shards' totals it last saw, the
+        round-robin position and the rate limiter's counters) atomically, and removes the
+        shard files of earlier saves. A save that fails (e.g. a dead shard) removes what it
+        wrote and leaves the earlier checkpoint in the folder as it was.
 
         Parameters
         ----------
@@ -681,14 +685,21 @@ class ShardedReplay:
         """
         folder = os.path.abspath(os.fspath(folder))
         os.makedirs(folder, exist_ok=True)
+        token = uuid.uuid4().hex
+        files = [f"shard-{i}-{token}.lz4" for i in range(self.num_shards)]
         refs = {
-            i: s.checkpoint.remote(os.path.join(folder, f"shard-{i}.lz4"))
+            i: s.checkpoint.remote(os.path.join(folder, files[i]))
             for i, s in enumerate(self.shards)
         }
-        digests = self._gather(refs)
-        limiter = None
-        if self.rate_limiter is not None:
-            limiter = self._get(self.rate_limiter.counts.remote(), None)
+        try:
+            digests = self._gather(refs)
+            limiter = None
+            if self.rate_limiter is not None:
+                limiter = self._get(self.rate_limiter.counts.remote(), None)
+        except BaseException:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout)
+            self._remove_shard_files(folder, keep=())
+            raise
         with self._rng_lock:
             rng_state = self._rng.bit_generator.state
             hint = None if self._hint is None else self._hint.tolist()
@@ -699,6 +710,7 @@ class ShardedReplay:
             "rng": rng_state,
             "rate_limiter": limiter,
             "hint": hint,
+            "files": files,
             "sha256": [digests[i] for i in range(self.num_shards)],
         }
         tmp = os.path.join(folder, _MANIFEST + ".tmp")
@@ -707,7 +719,27 @@ class ShardedReplay:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(folder, _MANIFEST))
+        self._remove_shard_files(folder, keep=files)
         return folder
+
+    @staticmethod
+    def _remove_shard_files(folder: str, keep: Sequence[str]) -> None:
+        """Remove the shard files in ``folder`` that neither ``keep`` nor the manifest there
+        names (best effort)."""
+        named: set[str] = set(keep)
+        try:
+            with open(os.path.join(folder, _MANIFEST)) as f:
+                listed = json.load(f).get("files")
+            if isinstance(listed, list):
+                named.update(x for x in listed if isinstance(x, str))
+        except (OSError, ValueError, AttributeError):
+            pass
+        for name in os.listdir(folder):
+            if _SHARD_FILE.fullmatch(name) and name not in named:
+                try:
+                    os.remove(os.path.join(folder, name))
+                except OSError:
+                    pass
 
     def _read_manifest(self, folder: str) -> dict[str, Any]:
         path = os.path.join(folder, _MANIFEST)
@@ -720,7 +752,16 @@ class ShardedReplay:
             ) from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path!r} is corrupted: {exc}") from None
-        keys = {"format", "num_shards", "next_shard", "rng", "rate_limiter", "hint", "sha256"}
+        keys = {
+            "format",
+            "num_shards",
+            "next_shard",
+            "rng",
+            "rate_limiter",
+            "hint",
+            "files",
+            "sha256",
+        }
         if not isinstance(manifest, dict) or set(manifest) != keys:
             raise ValueError(f"{path!r} is not a ShardedReplay manifest (keys {sorted(keys)})")
         if manifest["format"] != _MANIFEST_VERSION:
@@ -762,7 +803,19 @@ class ShardedReplay:
                 f"{folder!r} was saved {'without' if counts is None else 'with'} a rate "
                 f"limiter, this replay has {'one' if self.rate_limiter is not None else 'none'}"
             )
-        for name in (f"shard-{i}.lz4" for i in range(self.num_shards)):
+        files = manifest["files"]
+        if not (
+            isinstance(files, list)
+            and len(files) == self.num_shards
+            and all(
+                isinstance(name, str)
+                and (m := _SHARD_FILE.fullmatch(name)) is not None
+                and m.group(1) == str(i)
+                for i, name in enumerate(files)
+            )
+        ):
+            raise ValueError(f"{path!r}: files must name one shard-<i>-<token>.lz4 per shard")
+        for name in files:
             if not os.path.isfile(os.path.join(folder, name)):
                 raise ValueError(f"{folder!r} lacks {name}")
         return manifest
@@ -804,7 +857,7 @@ class ShardedReplay:
         except (TypeError, ValueError, KeyError, OverflowError) as exc:
             raise ValueError(f"{folder!r}: bad RNG state in the manifest: {exc}") from None
         staged = {
-            i: s.stage.remote(os.path.join(folder, f"shard-{i}.lz4"), manifest["sha256"][i])
+            i: s.stage.remote(os.path.join(folder, manifest["files"][i]), manifest["sha256"][i])
             for i, s in enumerate(self.shards)
         }
         try:

@@ -253,6 +253,12 @@ def test_a_killed_writer_leaves_the_shards_and_other_writers_intact(ray_cluster)
     assert replay.sample(16).batch_size == 16
 
 
+def _files(folder):
+    """The shard files a checkpoint's manifest names."""
+    with open(f"{folder}/sharded_replay.json") as f:
+        return json.load(f)["files"]
+
+
 def _assert_same(a, b):
     for field in ("S", "A", "Rn", "W", "idx"):
         np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
@@ -265,12 +271,11 @@ def test_save_and_restore_all_shards_continue_the_rng_streams(ray_cluster, tmp_p
     _fill(replay, [np.linspace(0, 1, 20), np.linspace(1, 2, 30)])
     replay.add(make_batch(7, 0, 3))  # round robin moves on
     replay.sample(8)
-    folder = replay.save(tmp_path / "ckpt")
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        "shard-0.lz4",
-        "shard-1.lz4",
-        "sharded_replay.json",
-    ]
+    replay.save(tmp_path / "ckpt")
+    folder = replay.save(tmp_path / "ckpt")  # a second save replaces the first's files
+    files = _files(folder)
+    assert [name[:8] for name in files] == ["shard-0-", "shard-1-"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == files + ["sharded_replay.json"]
     counts = ray.get(limiter.counts.remote())
     after_save = [replay.sample(16) for _ in range(3)]
     replay.add(make_batch(8, 0, 2))
@@ -357,25 +362,30 @@ def test_a_damaged_or_mixed_checkpoint_is_refused_before_any_shard_changes(ray_c
         edit(folder)
         return folder
 
-    def forge(folder, shard, source):
+    def shard(folder, i):
+        return f"{folder}/{_files(folder)[i]}"
+
+    def forge(folder, i, source):
         """Put ``source`` in place of a shard file and make the manifest name its digest."""
-        shutil.copy(source, folder / f"shard-{shard}.lz4")
+        shutil.copy(source, shard(folder, i))
         manifest = json.loads((folder / "sharded_replay.json").read_text())
-        digest = hashlib.sha256((folder / f"shard-{shard}.lz4").read_bytes()).hexdigest()
-        manifest["sha256"][shard] = digest
+        with open(shard(folder, i), "rb") as f:
+            manifest["sha256"][i] = hashlib.sha256(f.read()).hexdigest()
         (folder / "sharded_replay.json").write_text(json.dumps(manifest))
 
     def flip(folder):
-        data = bytearray((folder / "shard-1.lz4").read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        (folder / "shard-1.lz4").write_bytes(bytes(data))
+        with open(shard(folder, 1), "r+b") as f:
+            f.seek(200)
+            byte = f.read(1)[0]
+            f.seek(200)
+            f.write(bytes([byte ^ 0xFF]))
 
     cases = [
-        ("another save's shard", lambda f: shutil.copy(f"{foreign}/shard-1.lz4", f), "SHA-256"),
-        ("a shard twice", lambda f: shutil.copy(f / "shard-0.lz4", f / "shard-1.lz4"), "SHA-256"),
+        ("another save's shard", lambda f: shutil.copy(shard(foreign, 1), shard(f, 1)), "SHA-256"),
+        ("a shard twice", lambda f: shutil.copy(shard(f, 0), shard(f, 1)), "SHA-256"),
         ("an edited byte", flip, "SHA-256"),
-        ("other exponents", lambda f: forge(f, 1, f"{foreign}/shard-1.lz4"), "alpha=0.2"),
-        ("another type", lambda f: forge(f, 1, f"{plain}/shard-1.lz4"), "SimpleReplayBuffer"),
+        ("other exponents", lambda f: forge(f, 1, shard(foreign, 1)), "alpha=0.2"),
+        ("another type", lambda f: forge(f, 1, shard(plain, 1)), "SimpleReplayBuffer"),
         ("code", lambda f: forge(f, 1, tmp_path / "code.lz4"), "unpickl|pickle"),
     ]
     target = ShardedReplay(_prioritized([5, 6]), seed=1)
@@ -404,10 +414,27 @@ def test_a_damaged_or_mixed_checkpoint_is_refused_before_any_shard_changes(ray_c
 
     # one shard on its own takes only a buffer of the kind its siblings serve
     with pytest.raises(ValueError, match="SimpleReplayBuffer"):
-        ray.get(target.shards[1].restore.remote(f"{plain}/shard-1.lz4"))
+        ray.get(target.shards[1].restore.remote(shard(plain, 1)))
     with pytest.raises(ValueError, match="pickl"):
         ray.get(target.shards[1].restore.remote(tmp_path / "code.lz4"))
     assert [t["size"] for t in target.totals()] == [10, 12]
+
+    # a save that fails (a dead shard) leaves the earlier checkpoint in its folder intact
+    saved.add(make_batch(0, 10, 5), np.ones(5), shard=0)
+    ray.kill(saved.shards[1])
+    tic = time.monotonic()
+    while True:  # ray.kill returns before the actor is gone: poll until it is
+        try:
+            ray.get(saved.shards[1].size.remote(), timeout=20)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() - tic < 15.0
+    with pytest.raises(ReplayShardError, match="replay shard 1 of 2"):
+        saved.save(good)
+    assert sorted(p.name for p in (tmp_path / "good").iterdir()) == _files(good) + [
+        "sharded_replay.json"
+    ]
+    assert target.restore(good) == 22
 
 
 def test_prefetching_sampler_serves_batches_and_sends_updates(ray_cluster):
