@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coax_utils._checks import check_int, is_int
+from coax_utils._checks import check_float, check_int, is_int
 
 __all__ = [
     "argmax",
@@ -34,33 +34,44 @@ def _normalize_axis(axis: Any, ndim: int, name: str = "axis") -> int:
     return int(axis) % ndim
 
 
-@partial(jax.jit, static_argnames=("axis", "find_max"))
-def _random_tie_break(rng, arr, axis, find_max):
-    # Positions equal to the extreme value are the candidates (NaN counts as the extreme, as in
-    # jnp.argmax/argmin). Every candidate gets an i.i.d. uniform score and every other position
-    # scores -1, so the arg-max of the scores is uniform among the candidates.
-    extreme = (
-        jnp.max(arr, axis=axis, keepdims=True)
-        if find_max
-        else jnp.min(arr, axis=axis, keepdims=True)
-    )
-    if jnp.issubdtype(arr.dtype, jnp.inexact):
-        candidates = jnp.where(jnp.isnan(extreme), jnp.isnan(arr), arr == extreme)
-    else:
-        candidates = arr == extreme
-    scores = jnp.where(candidates, jax.random.uniform(rng, arr.shape), -1.0)
+def _candidates(xp: Any, arr: Any, axis: int, find_max: bool) -> Any:
+    # Positions equal to the extreme value (NaN counts as the extreme, as in jnp.argmax/argmin),
+    # with xp = numpy or jax.numpy: NumPy input is compared in its own dtype, so 64-bit values
+    # are not rounded to JAX's 32-bit default dtypes first (which would invent ties).
+    reduce = xp.max if find_max else xp.min
+    extreme = reduce(arr, axis=axis, keepdims=True)
+    if xp.issubdtype(arr.dtype, xp.inexact):
+        return xp.where(xp.isnan(extreme), xp.isnan(arr), arr == extreme)
+    return arr == extreme
+
+
+@partial(jax.jit, static_argnames=("axis",))
+def _pick_candidate(rng, candidates, axis):
+    # Every candidate gets an i.i.d. uniform score and every other position scores -1, so the
+    # arg-max of the scores is uniform among the candidates.
+    scores = jnp.where(candidates, jax.random.uniform(rng, candidates.shape), -1.0)
     return jnp.argmax(scores, axis=axis)
 
 
+@partial(jax.jit, static_argnames=("axis", "find_max"))
+def _random_tie_break(rng, arr, axis, find_max):
+    return _pick_candidate(rng, _candidates(jnp, arr, axis, find_max), axis)
+
+
 def _tie_break(rng, arr, axis, find_max):
-    arr = jnp.asarray(arr)
+    xp = jnp if isinstance(arr, jax.Array) else np
+    arr = xp.asarray(arr)
+    if not (arr.dtype == bool or xp.issubdtype(arr.dtype, xp.number)):
+        raise TypeError(f"arr must hold numbers or booleans, got dtype {arr.dtype}")
     if axis is None:
-        arr = jnp.ravel(arr)
+        arr = xp.ravel(arr)
         axis = 0
     else:
         axis = _normalize_axis(axis, arr.ndim)
     if arr.shape[axis] == 0:
         raise ValueError(f"cannot take the arg-extremum along an empty axis; shape={arr.shape}")
+    if xp is np:
+        return _pick_candidate(rng, _candidates(np, arr, axis, find_max), axis=axis)
     return _random_tie_break(rng, arr, axis=axis, find_max=find_max)
 
 
@@ -71,7 +82,8 @@ def argmax(rng: jax.Array, arr: Any, axis: int | None = -1) -> jax.Array:
     maxima, which biases greedy policies towards low action indices. This version draws one of
     the tied positions uniformly at random (independently for every slice along ``axis``).
     Without ties it returns exactly what :func:`jax.numpy.argmax` returns. NaN counts as the
-    maximum, as in :func:`jax.numpy.argmax`.
+    maximum, as in :func:`jax.numpy.argmax`. NumPy input is compared in its own dtype, so
+    ``int64``, ``uint64`` and ``float64`` values are exact even when JAX runs in 32 bits.
 
     Works eagerly, under :func:`jax.jit` and under :func:`jax.vmap` (``axis`` must be static).
 
@@ -91,6 +103,8 @@ def argmax(rng: jax.Array, arr: Any, axis: int | None = -1) -> jax.Array:
 
     Raises
     ------
+    TypeError
+        If ``arr`` does not hold numbers or booleans.
     numpy.exceptions.AxisError
         If ``axis`` is out of bounds (an ``IndexError`` and a ``ValueError``).
     ValueError
@@ -116,7 +130,8 @@ def argmin(rng: jax.Array, arr: Any, axis: int | None = -1) -> jax.Array:
     uniformly at random (independently for every slice along ``axis``). Without ties it returns
     exactly what :func:`jax.numpy.argmin` returns; NaN counts as the minimum. Works eagerly,
     under :func:`jax.jit` and under :func:`jax.vmap` (``axis`` must be static). Unlike negating
-    the input, this is exact for unsigned and boolean dtypes.
+    the input, this is exact for unsigned and boolean dtypes, and NumPy input is compared in its
+    own dtype (exact for 64-bit values when JAX runs in 32 bits).
 
     Parameters
     ----------
@@ -134,6 +149,8 @@ def argmin(rng: jax.Array, arr: Any, axis: int | None = -1) -> jax.Array:
 
     Raises
     ------
+    TypeError
+        If ``arr`` does not hold numbers or booleans.
     numpy.exceptions.AxisError
         If ``axis`` is out of bounds.
     ValueError
@@ -303,7 +320,17 @@ def clipped_logit(x: Any, epsilon: float = 1e-15) -> jax.Array:
     x : array_like
         Input whose entries lie on the unit interval, :math:`x_i\in [0, 1]`.
     epsilon : float, optional
-        The small number with which to clip the arguments of the logarithms from below.
+        The small number with which to clip the arguments of the logarithms from below, in
+        :math:`(0, 0.5]`. Where it is below the smallest normal number of ``x``'s dtype (e.g.
+        the default ``1e-15`` in ``float16``) that number is used instead, so the result stays
+        finite.
+
+    Raises
+    ------
+    TypeError
+        If ``epsilon`` is not a real number.
+    ValueError
+        If ``epsilon`` is not a finite number in :math:`(0, 0.5]`.
 
     Returns
     -------
@@ -318,9 +345,12 @@ def clipped_logit(x: Any, epsilon: float = 1e-15) -> jax.Array:
     >>> bool(jnp.isfinite(clipped_logit(jnp.array([0.0, 1.0]))).all())
     True
     """
+    epsilon = check_float(epsilon, "epsilon", low=0.0, high=0.5, low_open=True)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         x = x.astype(jnp.result_type(float))
+    # an epsilon below the dtype's smallest normal number would round to 0 (float16: 1e-15)
+    epsilon = max(epsilon, float(jnp.finfo(x.dtype).tiny))
     return jnp.log(jnp.clip(x, epsilon, 1)) - jnp.log(jnp.clip(1 - x, epsilon, 1))
 
 
@@ -338,7 +368,13 @@ def double_relu(arr: Any) -> jax.Array:
     Returns
     -------
     doubled_arr : jax.Array
-        Shape ``arr.shape[:-1] + (2 * arr.shape[-1],)``.
+        Shape ``arr.shape[:-1] + (2 * arr.shape[-1],)``, the dtype of ``arr`` (exact for every
+        dtype: the negative half of an unsigned array is zero).
+
+    Raises
+    ------
+    ValueError
+        If ``arr`` is 0-d.
 
     Examples
     --------
@@ -351,7 +387,11 @@ def double_relu(arr: Any) -> jax.Array:
            [  0,  -3,  19,   0]], dtype=int32)
     """
     arr = jnp.asarray(arr)
-    return jnp.concatenate((-jax.nn.relu(-arr), jax.nn.relu(arr)), axis=-1)
+    if arr.ndim < 1:
+        raise ValueError(f"arr must have at least one axis, got shape {arr.shape}")
+    # min/max with zero, not -relu(-arr): negation wraps for unsigned ints and for int8 -128
+    zero = jnp.zeros((), arr.dtype)
+    return jnp.concatenate((jnp.minimum(arr, zero), jnp.maximum(arr, zero)), axis=-1)
 
 
 def diff_transform_matrix(num_frames: int, dtype: Any = "float32") -> jax.Array:
@@ -392,7 +432,8 @@ def diff_transform_matrix(num_frames: int, dtype: Any = "float32") -> jax.Array:
     TypeError
         If ``num_frames`` is not an int.
     ValueError
-        If ``num_frames < 1``.
+        If ``num_frames < 1``, or if ``dtype`` cannot hold the entries (an unsigned or boolean
+        dtype, an int too narrow, a float that overflows).
 
     Examples
     --------
@@ -402,13 +443,26 @@ def diff_transform_matrix(num_frames: int, dtype: Any = "float32") -> jax.Array:
            [ 1,  1,  1]], dtype=int32)
     """
     n = check_int(num_frames, "num_frames", low=1)
-    m = np.array(
-        [
-            [(-1) ** (n - 1 - a) * math.comb(n - 1 - b, n - 1 - a) for b in range(n)]
-            for a in range(n)
-        ]
-    )
-    return jnp.asarray(m, dtype=jnp.dtype(dtype))
+    entries = [
+        [(-1) ** (n - 1 - a) * math.comb(n - 1 - b, n - 1 - a) for b in range(n)]
+        for a in range(n)
+    ]
+    target = jnp.zeros((), jnp.dtype(dtype)).dtype  # as JAX stores it (int64 -> int32 in x32)
+    lo, hi = min(map(min, entries)), max(map(max, entries))
+    # the entries are signed binomial coefficients: refuse a dtype that cannot hold them (an
+    # unsigned, boolean or too narrow int would wrap, a narrow float would overflow to inf)
+    if jnp.issubdtype(target, jnp.inexact):
+        fits = max(-lo, hi) <= float(jnp.finfo(target).max)
+    elif jnp.issubdtype(target, jnp.integer):
+        fits = int(jnp.iinfo(target).min) <= lo and hi <= int(jnp.iinfo(target).max)
+    else:
+        fits = target == np.dtype(bool) and lo >= 0 and hi <= 1
+    if not fits:
+        raise ValueError(
+            f"dtype {target} cannot hold the entries of the {n}x{n} difference matrix (they "
+            f"range from {lo} to {hi})"
+        )
+    return jnp.asarray(np.array(entries, dtype=target))
 
 
 def diff_transform(X: Any, dtype: Any = "float32") -> jax.Array:
@@ -436,8 +490,9 @@ def diff_transform(X: Any, dtype: Any = "float32") -> jax.Array:
     >>> diff_transform(jnp.array([1.0, 4.0, 9.0]))  # x_t = t**2 at t = 1, 2, 3
     Array([2., 5., 9.], dtype=float32)
     """
-    X = jnp.asarray(X)
+    if not isinstance(X, jax.Array):
+        X = np.asarray(X)  # cast once, below: int64 -> int32 -> float would wrap large values
     if X.ndim < 1:
         raise ValueError(f"X must have a frame-stack axis (ndim >= 1), got shape {X.shape}")
     M = diff_transform_matrix(num_frames=X.shape[-1], dtype=dtype)
-    return jnp.dot(X.astype(M.dtype), M)
+    return jnp.dot(jnp.asarray(X, dtype=M.dtype), M)

@@ -273,3 +273,72 @@ def test_diff_transform_matrix_errors():
         utils.diff_transform_matrix(2.0)
     with pytest.raises(ValueError, match="frame-stack axis"):
         utils.diff_transform(jnp.float32(1.0))
+
+
+# -- exactness for every dtype ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "x,expected_max,expected_min",
+    [
+        (np.array([2**40, 1, 3], dtype=np.uint64), 0, 1),  # 2**40 wraps to 0 in 32 bits
+        (np.array([2**40, -(2**41), 3], dtype=np.int64), 0, 1),
+        (np.array([1.0, 1.0 + 1e-12, 1.0 - 1e-12]), 1, 2),  # one value in float32
+        (np.array([1e300, 1e301, -1e300]), 1, 2),  # inf in float32
+        (np.array([1e-300, 1e-301, 1e-299]), 2, 1),  # 0 in float32
+    ],
+)
+def test_argmax_argmin_exact_for_64_bit_numpy_input(x, expected_max, expected_min):
+    for key in _keys(8):
+        assert int(utils.argmax(key, x)) == int(np.argmax(x)) == expected_max
+        assert int(utils.argmin(key, x)) == int(np.argmin(x)) == expected_min
+
+
+def test_argmax_numpy_input_matches_jax_input_draw_for_draw():
+    x = np.array([[3, 3, 1, 3], [0, 2, 2, 2]], dtype=np.int32)
+    for key in _keys(5):
+        np.testing.assert_array_equal(utils.argmax(key, x), utils.argmax(key, jnp.asarray(x)))
+        np.testing.assert_array_equal(utils.argmin(key, x), utils.argmin(key, jnp.asarray(x)))
+
+
+def test_argmax_rejects_non_numeric_input():
+    with pytest.raises(TypeError, match="numbers or booleans"):
+        utils.argmax(jax.random.PRNGKey(0), ["a", "b"])
+
+
+def test_clipped_logit_finite_in_float16_and_checks_epsilon():
+    z = utils.clipped_logit(np.array([0.0, 1.0, 0.5], np.float16))
+    assert z.dtype == jnp.float16
+    assert bool(jnp.isfinite(z).all()) and float(z[0]) < -9 and float(z[1]) > 9
+    for bad in (0, -1.0, 0.7, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="epsilon"):
+            utils.clipped_logit(jnp.array([0.3]), epsilon=bad)
+    with pytest.raises(TypeError, match="epsilon"):
+        utils.clipped_logit(jnp.array([0.3]), epsilon="0.1")
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int32, np.float16, np.float32])
+def test_double_relu_exact_for_every_dtype(dtype):
+    info = np.iinfo(dtype) if np.issubdtype(dtype, np.integer) else np.finfo(dtype)
+    x = np.array([info.min, 0, 1, info.max], dtype=dtype)
+    expected = np.concatenate([np.minimum(x, 0), np.maximum(x, 0)])
+    out = utils.double_relu(x)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(out, expected)
+    with pytest.raises(ValueError, match="at least one axis"):
+        utils.double_relu(np.float32(1.0))
+
+
+@pytest.mark.parametrize(
+    "num_frames,dtype", [(3, "uint8"), (2, "bool"), (12, "int8"), (40, "int32"), (30, "float16")]
+)
+def test_diff_transform_matrix_refuses_a_dtype_that_cannot_hold_it(num_frames, dtype):
+    with pytest.raises(ValueError, match="cannot hold"):
+        utils.diff_transform_matrix(num_frames, dtype=dtype)
+    with pytest.raises(ValueError, match="cannot hold"):
+        utils.diff_transform(np.ones(num_frames), dtype=dtype)
+
+
+def test_diff_transform_of_int64_numpy_input_does_not_wrap():
+    x = np.array([2**40, 2**40 + 2**20])
+    np.testing.assert_allclose(utils.diff_transform(x), [2.0**20, 2.0**40 + 2**20], rtol=1e-6)
