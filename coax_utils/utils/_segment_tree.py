@@ -480,15 +480,23 @@ class SegmentTree:
         return out[0] if scalar else out
 
     def _check_bound(self, name: str, x: Any) -> np.ndarray:
-        if is_int(x):
-            return np.array([x], dtype=np.int64)
-        if isinstance(x, list) and all(is_int(i) for i in x):
-            x = np.array(x, dtype=np.int64)
+        if is_int(x) or (isinstance(x, list) and all(is_int(i) for i in x)):
+            ints = [int(i) for i in (x if isinstance(x, list) else [x])]
+            for i in ints:  # Python ints of any size: check before converting to int64
+                if not -self.capacity <= i <= self.capacity:
+                    raise IndexError(f"{name} = {i} is out of bounds for capacity {self.capacity}")
+            return np.array(ints, dtype=np.int64)
         if not isinstance(x, np.ndarray) and hasattr(x, "__array__"):  # e.g. a jax.Array
             x = np.asarray(x)
             if x.ndim == 0 and np.issubdtype(x.dtype, np.integer):
-                return x.reshape(1).astype(np.int64)
+                x = x.reshape(1)
         if isinstance(x, np.ndarray) and x.ndim == 1 and np.issubdtype(x.dtype, np.integer):
+            # compare unsigned bounds in their own dtype: uint64 2**64 - 1 must not wrap to -1
+            if x.dtype.kind == "u" and (x > self.capacity).any():
+                p = int(np.argmax(x > self.capacity))
+                raise IndexError(
+                    f"{name}[{p}] = {x[p]} is out of bounds for capacity {self.capacity}"
+                )
             return x.astype(np.int64)
         raise TypeError(f"{name} must be an int or a 1-d integer array, got {x!r}")
 

@@ -222,6 +222,11 @@ def test_ranges_ending_at_the_last_leaf(capacity):
         (np.array([0, 1]), np.array([2, 3, 4]), ValueError),
         (0.5, 2, TypeError),
         (0, np.array([1.0]), TypeError),
+        # unsigned bounds past the capacity must not wrap to -1 (a valid negative bound)
+        (np.array([2**64 - 1], np.uint64), np.array([8], np.uint64), IndexError),
+        (np.array([0], np.uint64), np.array([2**64 - 1], np.uint64), IndexError),
+        (2**70, None, IndexError),
+        ([0, -(2**70)], 8, IndexError),
     ],
 )
 def test_partial_reduce_rejects_bad_ranges(start, stop, error):
