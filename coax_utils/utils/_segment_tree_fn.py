@@ -16,8 +16,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from coax_utils._checks import check_choice, check_int, checked_indices
+from coax_utils._checks import check_choice, check_int, checked_indices, is_int
 from coax_utils._dataclass import pytree_dataclass, static_field
 from coax_utils._random import random_uniform
 
@@ -277,6 +278,26 @@ def sum_tree_total(state: SumTreeState) -> jax.Array:
     return state.nodes[..., 1]
 
 
+def _clipped_bound(x: Any, capacity: int, name: str) -> jax.Array:
+    """A range bound clipped to ``[0, capacity]`` in its own dtype, then as int32.
+
+    Clipping first means a bound such as ``2**32 + 1`` (int64) or ``2**32 - 1`` (uint32) is
+    read as ``capacity``, not wrapped around to 1 or -1 by the conversion to int32.
+    """
+    if is_int(x):
+        return jnp.asarray(min(max(int(x), 0), capacity), jnp.int32)
+    x = x if isinstance(x, (jax.Array, jax.core.Tracer)) else np.asarray(x)
+    if not (jnp.issubdtype(x.dtype, jnp.integer) and x.dtype != jnp.bool_):
+        raise TypeError(f"{name} must be integers, got dtype {x.dtype}: {x!r}")
+    xp = np if isinstance(x, np.ndarray) else jnp
+    info = xp.iinfo(x.dtype)
+    if info.min < 0:
+        x = xp.maximum(x, xp.zeros((), x.dtype))
+    if info.max > capacity:
+        x = xp.minimum(x, xp.asarray(capacity, x.dtype))
+    return jnp.asarray(x.astype(xp.int32))
+
+
 def sum_tree_reduce(state: SumTreeState, start: Any, stop: Any) -> jax.Array:
     r"""The sum of ``values[start:stop]``, in :math:`\mathcal{O}(\log N)`.
 
@@ -287,12 +308,18 @@ def sum_tree_reduce(state: SumTreeState, start: Any, stop: Any) -> jax.Array:
     start, stop : int or int Array
         Range bounds, scalars or arrays of equal shape (broadcast against each other), with
         ``0 <= start <= stop <= capacity`` (not checked: this function is traced; bounds are
-        clipped to ``[0, capacity]`` and an empty range sums to zero).
+        clipped to ``[0, capacity]`` in their own integer dtype, so ``2**32 + 1`` reads as
+        ``capacity``, and an empty range sums to zero).
 
     Returns
     -------
     Array
         The partial sums, shape ``broadcast(start, stop).shape``.
+
+    Raises
+    ------
+    TypeError
+        If ``start`` or ``stop`` is not an integer (floats and bools included).
 
     Examples
     --------
@@ -300,8 +327,8 @@ def sum_tree_reduce(state: SumTreeState, start: Any, stop: Any) -> jax.Array:
     >>> sum_tree_reduce(state, jnp.array([0, 1, 2]), jnp.array([5, 3, 2])).tolist()
     [10.0, 3.0, 0.0]
     """
-    start = jnp.clip(jnp.asarray(start, jnp.int32), 0, state.capacity)
-    stop = jnp.clip(jnp.asarray(stop, jnp.int32), 0, state.capacity)
+    start = _clipped_bound(start, state.capacity, "start")
+    stop = _clipped_bound(stop, state.capacity, "stop")
     start, stop = jnp.broadcast_arrays(start, stop)
     n = state.num_leaves
     lo = start + n  # half-open node range [lo, hi) at the current level

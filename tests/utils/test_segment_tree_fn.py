@@ -126,6 +126,28 @@ def test_reduce_scalar_and_full_range_at_power_of_two():
     assert sum_tree_reduce(state, jnp.array([[0, 1]]), jnp.array([[8, 8]])).shape == (1, 2)
 
 
+def test_reduce_clips_wide_bounds_instead_of_wrapping():
+    # int32 conversion would wrap 2**32 + 1 to 1 and uint32 2**32 - 1 to -1
+    state = sum_tree_set(sum_tree_init(5), jnp.arange(5), jnp.arange(1.0, 6.0))
+    reduce_jit = jax.jit(sum_tree_reduce)
+    for stop in (np.array([2**32 + 1]), np.array([2**64 - 1], np.uint64), 2**40):
+        assert float(sum_tree_reduce(state, 0, stop).sum()) == 15.0
+    for stop in (jnp.array([2**32 - 1], jnp.uint32), jnp.array([127], jnp.int8)):
+        assert float(sum_tree_reduce(state, 0, stop)[0]) == 15.0
+        assert float(reduce_jit(state, 0, stop)[0]) == 15.0
+    assert float(sum_tree_reduce(state, np.array([-(2**40)]), 2)[0]) == 3.0
+    assert float(sum_tree_reduce(state, jnp.array([-128], jnp.int8), 2)[0]) == 3.0
+
+
+@pytest.mark.parametrize("bound", [0.5, np.array([2.7]), True, jnp.array([1.0])])
+def test_reduce_rejects_non_integer_bounds(bound):
+    state = sum_tree_set(sum_tree_init(5), jnp.arange(5), jnp.arange(1.0, 6.0))
+    with pytest.raises(TypeError, match="integers"):
+        sum_tree_reduce(state, bound, 5)
+    with pytest.raises(TypeError, match="integers"):
+        sum_tree_reduce(state, 0, bound)
+
+
 def test_duplicate_indices_last_write_wins_under_jit():
     state = sum_tree_init(10)
     set_ = jax.jit(sum_tree_set)
