@@ -37,8 +37,10 @@ __all__ = ["CheckpointManager"]
 
 _DIGITS = 12  # zero-padded step numbers: plain `ls` lists the files in step order
 _MAX_STEP = 10**_DIGITS - 1
-_CHECKPOINT = re.compile(rf"ckpt_(\d{{{_DIGITS}}})\.pkl\.lz4")
-_METRICS = re.compile(rf"ckpt_(\d{{{_DIGITS}}})\.metrics\.pkl\.lz4")
+# [0-9], not \d: \d also matches other scripts' digits, which int() reads but the names the
+# manager writes never contain
+_CHECKPOINT = re.compile(rf"ckpt_([0-9]{{{_DIGITS}}})\.pkl\.lz4")
+_METRICS = re.compile(rf"ckpt_([0-9]{{{_DIGITS}}})\.metrics\.pkl\.lz4")
 _PENDING = ".coax_utils-pending"
 _LOCK = ".coax_utils-lock"
 _ALIGN = 64  # the alignment jax needs to adopt host memory without a copy
@@ -337,8 +339,11 @@ class CheckpointManager:
 
     def _scan(self) -> dict[int, float | None]:
         """Clean up after killed saves; return {complete step: score}."""
-        shutil.rmtree(self._pending, ignore_errors=True)
-        os.makedirs(self._pending)
+        if os.path.islink(self._pending) or not os.path.isdir(self._pending):
+            _unlink(self._pending)  # a file or a link in the manager's place: only it goes
+        else:
+            shutil.rmtree(self._pending, ignore_errors=True)
+        os.makedirs(self._pending, exist_ok=True)
         names = os.listdir(self._directory)
         steps = {
             int(m.group(1))
@@ -361,7 +366,17 @@ class CheckpointManager:
                     stacklevel=3,
                 )
                 continue
-            scores[step] = self._score(metrics, step)
+            try:
+                # metrics from disk may predate this best_fn (a missing key, a NaN): such a
+                # step has no score, and the folder still opens
+                scores[step] = self._score(metrics, step)
+            except Exception as err:
+                warnings.warn(
+                    f"step {step} has no score: best_fn failed on its stored metrics "
+                    f"{metrics!r} ({type(err).__name__}: {err})",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         return scores
 
     def _score(self, metrics: dict[str, Any] | None, step: int) -> float | None:
@@ -421,6 +436,12 @@ class CheckpointManager:
     def _delete(self, step: int) -> None:
         _unlink(self._path(_checkpoint_name(step)))  # the checkpoint first: no orphan step
         _unlink(self._path(_metrics_name(step)))
+
+    def _forget(self, step: int) -> None:
+        """Drop a step whose checkpoint is gone or moved aside (its metrics file too)."""
+        _unlink(self._path(_metrics_name(step)))
+        with self._records_lock:
+            del self._scores[step]
 
     def _check_open(self) -> None:
         if not self._finalizer.alive:
@@ -487,7 +508,9 @@ class CheckpointManager:
             ``ValueError``) is skipped with a :class:`RuntimeWarning` naming the file; with
             ``safe=False`` it is also renamed to ``<name>.corrupt`` and leaves the manager's
             steps, so that training can go on from the restored step. With ``safe=True`` a
-            refusal cannot be told from corruption, and the file is left in place.
+            refusal cannot be told from corruption, and the file is left in place. A
+            checkpoint file removed from the folder since the manager listed it is skipped
+            the same way (with a warning) and leaves the manager's steps.
         safe : bool, optional
             Passed to :func:`load`: ``True`` never unpickles.
 
@@ -521,20 +544,21 @@ class CheckpointManager:
             path = self._path(_checkpoint_name(candidate))
             try:
                 return load(path, safe=safe)
+            except FileNotFoundError as err:  # removed behind the manager's back
+                self._forget(candidate)
+                action, error = "it is gone", err
             except ValueError as err:
-                action = "left in place"
+                action, error = "left in place", err
                 if not safe:
                     os.replace(path, path + ".corrupt")
-                    _unlink(self._path(_metrics_name(candidate)))
-                    with self._records_lock:
-                        del self._scores[candidate]
+                    self._forget(candidate)
                     action = f"renamed to {os.path.basename(path)}.corrupt"
-                warnings.warn(
-                    f"skipping checkpoint {path!r} (step {candidate}), which does not load "
-                    f"({action}): {err}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+            warnings.warn(
+                f"skipping checkpoint {path!r} (step {candidate}), which does not load "
+                f"({action}): {error}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         raise FileNotFoundError(f"no checkpoint in {self._directory!r} loads")
 
     def latest_step(self) -> int | None:

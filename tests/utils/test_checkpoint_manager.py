@@ -585,3 +585,70 @@ def test_corrupt_metrics_file_is_ignored_with_a_warning(tmp_path):
         m = utils.CheckpointManager(tmp_path, best_fn=lambda m: m["r"])
     assert m.best_step() == 2
     m.close()
+
+
+def test_names_with_non_ascii_digits_are_foreign(tmp_path):
+    # "\d" also matches e.g. Arabic-Indic digits, which int() reads: such a file became a
+    # phantom step 111111111111 that blocked every later save and broke restore()
+    with utils.CheckpointManager(tmp_path, background=False) as m:
+        m.save(5, {"a": 5})
+    foreign = tmp_path / ("ckpt_" + "\u0661" * 12 + ".pkl.lz4")
+    foreign.write_bytes(b"not the manager's")
+    metrics_like = tmp_path / ("ckpt_" + "\u0662" * 12 + ".metrics.pkl.lz4")
+    metrics_like.write_bytes(b"not the manager's either")
+    with utils.CheckpointManager(tmp_path, background=False, max_to_keep=1) as m:
+        assert m.all_steps() == [5]
+        assert m.restore() == {"a": 5}
+        m.save(6, {"a": 6})
+        assert m.all_steps() == [6]
+    assert foreign.read_bytes() == b"not the manager's"
+    assert metrics_like.exists()
+
+
+@pytest.mark.parametrize(
+    "best_fn", [lambda m: m["return"], lambda m: m["loss"]], ids=["missing key", "nan score"]
+)
+def test_stored_metrics_that_best_fn_cannot_score_do_not_lock_the_folder(tmp_path, best_fn):
+    with utils.CheckpointManager(tmp_path, background=False) as m:  # no best_fn yet
+        m.save(1, {"a": 1}, metrics={"loss": float("nan")})
+        m.save(2, {"a": 2}, metrics={"loss": 0.5, "return": 3.0})
+    with pytest.warns(RuntimeWarning, match="step 1 has no score"):
+        m = utils.CheckpointManager(tmp_path, best_fn=best_fn, background=False)
+    with m:
+        assert m.all_steps() == [1, 2]
+        assert m.best_step() == 2
+        assert m.restore() == {"a": 2}
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink"])
+def test_pending_name_taken_by_a_file_or_link(tmp_path, kind):
+    with utils.CheckpointManager(tmp_path) as m:
+        m.save(1, {"a": 1})
+    pending = tmp_path / PENDING
+    os.rmdir(pending)
+    elsewhere = tmp_path.parent / (tmp_path.name + "-elsewhere")
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    if kind == "file":
+        pending.write_text("x")
+    else:
+        pending.symlink_to(elsewhere, target_is_directory=True)
+    with utils.CheckpointManager(tmp_path) as m:
+        assert pending.is_dir() and not pending.is_symlink()
+        m.save(2, {"a": 2})
+        assert m.restore() == {"a": 2}
+    assert (elsewhere / "keep.txt").read_text() == "mine"  # the link's target is untouched
+
+
+def test_restore_skips_a_newest_checkpoint_removed_from_the_folder(tmp_path):
+    with utils.CheckpointManager(tmp_path, best_fn=lambda m: m["r"]) as m:
+        m.save(1, {"a": 1}, metrics={"r": 1.0})
+        m.save(2, {"a": 2}, metrics={"r": 2.0})
+        m.wait()
+        os.unlink(tmp_path / ckpt(2))
+        with pytest.warns(RuntimeWarning, match=ckpt(2)):
+            assert m.restore() == {"a": 1}
+        assert m.all_steps() == [1] and m.best_step() == 1
+        assert not (tmp_path / metrics_file(2)).exists()
+        m.save(2, {"a": 22})
+        assert m.restore() == {"a": 22}
