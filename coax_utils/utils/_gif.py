@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 from collections.abc import Callable
@@ -11,6 +12,7 @@ import numpy as np
 from PIL import Image
 
 from coax_utils._checks import check_int
+from coax_utils.utils._ckpt_files import atomic_write
 from coax_utils.utils._envs import get_env_attr
 
 __all__ = ["generate_gif"]
@@ -34,11 +36,14 @@ def _frame(env: Any, what: str) -> np.ndarray:
         or not (arr.ndim == 2 or (arr.ndim == 3 and arr.shape[-1] in (3, 4)))
     ):
         got = type(frame).__name__ if arr is None else f"array {arr.dtype}{list(arr.shape)}"
-        raise RuntimeError(
-            f"generate_gif needs env.render() to return rgb_array frames (uint8 arrays of shape "
-            f"(height, width, 3)), but {what} it returned {got}"
-        )
-    return arr
+    elif arr.size == 0:
+        got = f"an empty frame of shape {list(arr.shape)}"
+    else:
+        return arr
+    raise RuntimeError(
+        f"generate_gif needs env.render() to return rgb_array frames (non-empty uint8 arrays "
+        f"of shape (height, width, 3)), but {what} it returned {got}"
+    )
 
 
 class _Quantizer:
@@ -143,7 +148,8 @@ def generate_gif(
     Raises
     ------
     RuntimeError
-        When the env does not render ``rgb_array`` frames.
+        When the env does not render ``rgb_array`` frames (non-empty uint8 arrays), or (without
+        ``resize_to``) a frame's size differs from the first frame's.
     TypeError, ValueError
         For malformed ``resize_to``, ``duration`` or ``max_episode_steps``.
     """
@@ -178,35 +184,38 @@ def generate_gif(
 
     quantize = _Quantizer()
 
-    def to_image(arr: np.ndarray) -> Image.Image:
+    def to_image(arr: np.ndarray, what: str) -> Image.Image:
         img = Image.fromarray(arr).convert("RGB")
         if resize_to is not None and img.size != resize_to:
             img = img.resize(resize_to)
+        elif frames and img.size != frames[0].size:  # a GIF's frames share one size
+            raise RuntimeError(
+                f"{what} env.render() returned a frame of (width, height) {img.size}, but the "
+                f"first frame was {frames[0].size}; pass resize_to=(w, h) for envs whose frame "
+                f"size changes"
+            )
         return quantize(img)
 
+    frames: list[Image.Image] = []
     s, _ = env.reset()
-    frames = [to_image(_frame(env, "after reset"))]
+    frames.append(to_image(_frame(env, "after reset"), "after reset"))
     bar = _Progress(int(max_episode_steps), bool(progress), os.fspath(filepath))
     try:
-        for _ in range(int(max_episode_steps)):
+        for t in range(int(max_episode_steps)):
             a = env.action_space.sample() if policy is None else policy(s)
             s, _, terminated, truncated, _ = env.step(a)
-            frames.append(to_image(_frame(env, "after a step")))
+            frames.append(to_image(_frame(env, "after a step"), f"after step {t + 1}"))
             bar.update()
             if terminated or truncated:
                 break
     finally:
         bar.close()
 
-    folder = os.path.dirname(os.fspath(filepath))
-    if folder:
-        os.makedirs(folder, exist_ok=True)
+    gif = io.BytesIO()
     frames[0].save(
-        filepath,
-        format="GIF",
-        save_all=True,
-        append_images=frames[1:],
-        duration=duration,
-        loop=0,
+        gif, format="GIF", save_all=True, append_images=frames[1:], duration=duration, loop=0
     )
+    # written atomically: a failure leaves an earlier file at filepath as it was
+    data = gif.getbuffer()
+    atomic_write(os.fspath(filepath), lambda place: place(0, data))
     logger.info("recorded episode (%d frames) to: %s", len(frames), os.fspath(filepath))

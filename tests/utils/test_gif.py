@@ -1,6 +1,7 @@
 """generate_gif on a custom rgb env and on CartPole."""
 
 import logging
+import os
 import sys
 
 import gymnasium
@@ -171,3 +172,41 @@ def test_progress_falls_back_to_logging_without_tqdm(tmp_path, monkeypatch, capl
     messages = [r.getMessage() for r in caplog.records]
     assert any("20 / " in m or "/ 10000 steps" in m or "recording" in m for m in messages)
     assert any("recorded episode (21 frames)" in m for m in messages)
+
+
+class ShapeEnv(CounterEnv):
+    """A CounterEnv whose frame t has shape ``shapes[t]`` (the last one repeats)."""
+
+    def __init__(self, shapes, length=3):
+        super().__init__(length=length)
+        self.shapes = shapes
+
+    def render(self):
+        h, w = self.shapes[min(self.t, len(self.shapes) - 1)][:2]
+        return np.resize(self.frame(self.t), (h, w, 3)).astype(np.uint8)
+
+
+def test_a_frame_of_another_size_raises_instead_of_being_cropped(tmp_path):
+    # PIL pasted later frames of another size into the first frame's canvas (cropped or
+    # padded), silently
+    path = tmp_path / "episode.gif"
+    with pytest.raises(RuntimeError, match=r"after step 1 .*\(6, 8\).*\(4, 4\).*resize_to"):
+        utils.generate_gif(ShapeEnv([(4, 4), (8, 6), (2, 2)]), str(path))
+    assert not path.exists()
+    utils.generate_gif(ShapeEnv([(4, 4), (8, 6), (2, 2)]), str(path), resize_to=(5, 3))
+    frames, _, size = read_gif(path)
+    assert size == (5, 3) and len(frames) == 4
+
+
+def test_an_empty_frame_raises_runtime_error(tmp_path):
+    with pytest.raises(RuntimeError, match=r"empty frame of shape \[0, 0, 3\]"):
+        utils.generate_gif(ShapeEnv([(0, 0)]), str(tmp_path / "episode.gif"))
+
+
+def test_a_failed_save_leaves_the_earlier_file(tmp_path):
+    path = tmp_path / "episode.gif"
+    path.write_bytes(b"an earlier gif")
+    with pytest.raises(OverflowError):  # the GIF format's 16-bit width
+        utils.generate_gif(ShapeEnv([(1, 70000)]), str(path))
+    assert path.read_bytes() == b"an earlier gif"
+    assert os.listdir(tmp_path) == ["episode.gif"]
