@@ -245,7 +245,10 @@ def tree_ravel(pytree: Any) -> jax.Array:
     leaves = jax.tree_util.tree_leaves(pytree)
     if not leaves:
         return jnp.zeros((0,), dtype=jnp.result_type(float))
-    return jnp.concatenate([jnp.ravel(leaf) for leaf in leaves])
+    # every leaf cast once, straight to the common dtype: a NumPy int64 leaf taken to int32
+    # first (JAX's default) would wrap before becoming float
+    dtype = jnp.result_type(*leaves)
+    return jnp.concatenate([jnp.ravel(jnp.asarray(leaf, dtype)) for leaf in leaves])
 
 
 def _check_axes(axes: Any, name: str) -> None:

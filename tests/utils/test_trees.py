@@ -93,6 +93,13 @@ def test_pytree_helpers_under_jit():
     np.testing.assert_array_equal(jax.jit(utils.tree_ravel)(trees[1]), [1.0, 1.0, 1.0])
 
 
+def test_tree_ravel_casts_int64_numpy_leaves_straight_to_the_result_dtype():
+    # int64 -> int32 -> float32 wrapped 2**40 to 0
+    out = utils.tree_ravel({"a": np.array([2**40, -(2**33)]), "b": np.ones(1, np.float32)})
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, np.array([2.0**40, -(2.0**33), 1.0], np.float32))
+
+
 def test_tree_ravel_empty_and_mixed_dtypes():
     assert utils.tree_ravel({}).shape == (0,)
     out = utils.tree_ravel({"a": jnp.array([1], jnp.int32), "b": jnp.array([0.5])})
