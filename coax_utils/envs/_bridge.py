@@ -190,8 +190,10 @@ class GymnasiumToJax:
     error that carries the message): :func:`jax.vmap` over ``reset``/``step`` (use a
     gymnasium vector env for batches), ``step`` before ``reset``, ``step`` with a stale
     state, i.e. any state other than the one returned by the latest ``reset``/``step``
-    (e.g. stepping the same state twice), and stepping a single env whose episode ended in
-    ``step_env`` without a ``reset`` in between.
+    (e.g. stepping the same state twice), stepping a single env whose episode ended in
+    ``step_env`` without a ``reset`` in between, and stepping again after a step whose
+    observation or info could not be converted (the env was stepped, so the state passed
+    in no longer describes it: only ``reset`` goes on).
 
     Parameters
     ----------
@@ -275,7 +277,8 @@ class GymnasiumToJax:
         # host-side bookkeeping
         self._counter = 0
         self._reset_done = False
-        self._episode_over = False
+        # why the next step is refused until a reset (None when it may go on)
+        self._must_reset: str | None = None
 
         self._call_reset = self._no_vmap(self._io(self._host_reset, self._reset_result), "reset")
         # a step moves one uint8 buffer each way: every extra callback operand or result
@@ -476,7 +479,7 @@ class GymnasiumToJax:
         obs, _ = self.env.reset(seed=reset_seed)
         leaves = self._obs_leaves(obs, "the observation of reset")
         self._reset_done = True
-        self._episode_over = False
+        self._must_reset = None
         self._counter = (self._counter + 1) % _COUNTER_MOD
         return (np.uint32(self._counter), *leaves)
 
@@ -494,9 +497,9 @@ class GymnasiumToJax:
                 "reset or step; the wrapped env cannot step from an earlier state, and calls "
                 "must happen in order"
             )
-        if self._episode_over:
+        if self._must_reset is not None:
             raise ValueError(
-                "GymnasiumToJax.step was called after the episode ended in step_env: call "
+                f"GymnasiumToJax.step was called after {self._must_reset}: call "
                 "reset(key, params) first"
             )
         action = _cast_action(self._gym_act_space, self._act_treedef.unflatten(action_leaves))
@@ -506,6 +509,20 @@ class GymnasiumToJax:
                 f"the action space {self._gym_act_space}; the env was not stepped"
             )
         obs, reward, terminated, truncated, info = self.env.step(action)
+        try:
+            out = self._step_result_of(autoreset, obs, reward, terminated, truncated, info)
+        except Exception:
+            # the env has moved on, so the state that was passed in no longer describes it:
+            # a retry with that state would silently skip this step
+            self._must_reset = "a step whose result could not be converted"
+            raise
+        self._counter = (self._counter + 1) % _COUNTER_MOD
+        return out
+
+    def _step_result_of(
+        self, autoreset: bool, obs: Any, reward: Any, terminated: Any, truncated: Any, info: dict
+    ) -> np.ndarray:
+        """The packed result of one env step (resetting a single env when it asks for it)."""
         final = self._obs_leaves(obs, "the observation of step")
         leaves = final
         if self.num_envs is None:
@@ -514,11 +531,10 @@ class GymnasiumToJax:
                     obs, _ = self.env.reset()
                     leaves = self._obs_leaves(obs, "the observation of reset")
                 else:
-                    self._episode_over = True
+                    self._must_reset = "the episode ended in step_env"
         elif "final_obs" in info and "_final_obs" in info:
             final = self._final_obs_of_vector(final, info)
         extra = self._info_leaves(info) if self._info_spec else []
-        self._counter = (self._counter + 1) % _COUNTER_MOD
         # the packer casts reward and flags while writing them into the buffer
         return self._step_out.pack_np([*leaves, reward, terminated, truncated, *final, *extra])
 

@@ -386,3 +386,31 @@ def test_an_out_of_range_action_raises_the_bridge_error_and_steps_nothing():
     assert "AssertionError" not in str(info.value)
     obs, *_ = step(None, state, jnp.int32(1))  # the refused call changed nothing
     np.testing.assert_array_equal(obs, oracle.step(1)[0])
+
+
+def test_a_step_whose_result_cannot_be_converted_needs_a_reset():
+    class BadSecondStep(DriftEnv):
+        """Returns an observation of the wrong shape on the second step of an episode."""
+
+        def step(self, action):
+            obs, reward, terminated, truncated, info = super().step(action)
+            self.steps_taken = getattr(self, "steps_taken", 0) + 1
+            if self._t == 2:
+                obs["pos"] = np.zeros(3, np.float32)
+            return obs, reward, terminated, truncated, info
+
+    env = BadSecondStep()
+    benv = GymnasiumToJax(env, seed=0)
+    step = jax.jit(benv.step)
+    _, state = benv.reset(jax.random.key(0))
+    _, state, *_ = step(None, state, jnp.int32(0))
+    with pytest.raises(Exception, match="observation space"):
+        jax.block_until_ready(step(None, state, jnp.int32(0)))
+    assert env.steps_taken == 2
+    # the env moved on: a retry with the same state would silently skip the failed step
+    with pytest.raises(Exception, match="could not be converted"):
+        jax.block_until_ready(step(None, state, jnp.int32(0)))
+    assert env.steps_taken == 2
+    obs, state = benv.reset(jax.random.key(1))
+    obs, state, *_ = step(None, state, jnp.int32(1))
+    assert env.steps_taken == 3 and int(obs["steps"]) == 1
