@@ -576,7 +576,8 @@ class JaxToGymnasium(gymnasium.Env):
 
     Reset and step are jitted once. Keys come from the env's ``np_random``: ``reset(seed=s)``
     is deterministic, and ``reset()`` continues the seeded stream. Observations, rewards and
-    infos are returned as fresh NumPy values of the gymnasium spaces' dtypes.
+    infos are returned as fresh NumPy values of the gymnasium spaces' dtypes, except that a
+    Discrete observation is a Python int (as gymnasium's own envs return it).
 
     Parameters
     ----------
@@ -671,5 +672,7 @@ class JaxToGymnasium(gymnasium.Env):
             return {k: self._to_numpy(x[k], s) for k, s in space.spaces.items()}
         arr = np.array(x, dtype=space.dtype)
         if isinstance(space, gymnasium.spaces.Discrete):
-            return arr.reshape(()).astype(np.int64)[()]
+            # a Python int, like gymnasium's own envs: an element of the space whatever its
+            # dtype (an int64 scalar is not in an int32 space), and what env_checker expects
+            return int(arr.reshape(()))
         return arr

@@ -106,3 +106,18 @@ def test_gymnasium_bridge_matches_the_gymnax_twin_step_by_step(name):
         if b_term or b_trunc:
             break
     assert compared >= 10
+
+
+def test_jax_to_gymnasium_discrete_observations_are_in_the_space():
+    # FrozenLake-misc observes a Discrete(16) of dtype int32: an int64 scalar is not in it
+    env = JaxToGymnasium(*gymnax.make("FrozenLake-misc"), seed=0)
+    assert env.observation_space.dtype == np.int32
+    obs, _ = env.reset()
+    assert type(obs) is int  # noqa: E721 (exactly a Python int, as gymnasium's envs give)
+    assert env.observation_space.contains(obs)
+    obs, *_ = env.step(env.action_space.sample())
+    assert env.observation_space.contains(obs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_env(env, skip_render_check=True)
+    assert not caught, [str(w.message) for w in caught]
