@@ -20,7 +20,13 @@ from jax.experimental import io_callback
 
 from coax_utils._checks import check_seed
 from coax_utils._dataclass import pytree_dataclass
-from coax_utils.envs._spaces import Space, canonical_dtype, to_gymnasium_space, to_jax_space
+from coax_utils.envs._spaces import (
+    Space,
+    canonical_dtype,
+    check_jax_can_hold,
+    to_gymnasium_space,
+    to_jax_space,
+)
 from coax_utils.envs._step import step_without_autoreset
 
 __all__ = ["GymnasiumParams", "GymnasiumState", "GymnasiumToJax", "JaxToGymnasium"]
@@ -198,7 +204,9 @@ class GymnasiumToJax:
     Parameters
     ----------
     env : gymnasium.Env or gymnasium.vector.VectorEnv
-        The env. Its spaces must be convertible with :func:`to_jax_space`.
+        The env. Its spaces must be convertible with :func:`to_jax_space`, and the integer
+        values of its observation space must fit the dtype JAX uses (32 bits without
+        ``jax_enable_x64``): otherwise a ValueError is raised here, as they would wrap around.
     seed : int, optional
         The seed of the first reset.
     info_spec : mapping of str to jax.ShapeDtypeStruct, optional
@@ -241,6 +249,7 @@ class GymnasiumToJax:
         self.num_envs = int(env.num_envs) if isinstance(env, gymnasium.vector.VectorEnv) else None
         self._seed = None if seed is None else int(seed)
         self._obs_space = to_jax_space(env.observation_space)
+        check_jax_can_hold(self._obs_space, "the observation space")
         self._act_space = to_jax_space(env.action_space)
         self._gym_act_space = env.action_space
         batch = () if self.num_envs is None else (self.num_envs,)

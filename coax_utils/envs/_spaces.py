@@ -58,8 +58,34 @@ def _check_representable(what: str, low: Any, high: Any, dtype: np.dtype) -> Non
     if lo < info.min or hi > info.max:
         raise ValueError(
             f"{what} has values in [{lo}, {hi}], beyond the range of {cdt.name}, the dtype JAX "
-            f"uses for {np.dtype(dtype).name} here; enable jax_enable_x64 to sample it"
+            f"uses for {np.dtype(dtype).name} here; enable jax_enable_x64 to use it"
         )
+
+
+def check_jax_can_hold(space: Space, what: str) -> None:
+    """Refuse a space with integer values that the dtype JAX uses cannot hold.
+
+    Without ``jax_enable_x64`` a 64-bit value becomes 32 bits, so such a value would wrap
+    around (an observation of ``2**33 + 7`` would arrive as ``7``).
+
+    Raises
+    ------
+    ValueError
+        Naming ``what`` and the range that does not fit.
+    """
+    if isinstance(space, (Tuple, Dict)):
+        subspaces = space.spaces.values() if isinstance(space, Dict) else space.spaces
+        for sub in subspaces:
+            check_jax_can_hold(sub, what)
+    elif isinstance(space, Box):
+        if np.issubdtype(space.dtype, np.integer) and space.low.size:
+            _check_representable(f"{what} {space!r}", space.low, space.high, space.dtype)
+    elif isinstance(space, Discrete):
+        top = space.start + space.n - 1
+        _check_representable(f"{what} {space!r}", space.start, top, space.dtype)
+    elif isinstance(space, MultiDiscrete):
+        top = space.start.astype(object) + space.nvec.astype(object) - 1
+        _check_representable(f"{what} {space!r}", space.start, top, space.dtype)
 
 
 def _false() -> jax.Array:

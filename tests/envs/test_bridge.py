@@ -414,3 +414,47 @@ def test_a_step_whose_result_cannot_be_converted_needs_a_reset():
     obs, state = benv.reset(jax.random.key(1))
     obs, state, *_ = step(None, state, jnp.int32(1))
     assert env.steps_taken == 3 and int(obs["steps"]) == 1
+
+
+@pytest.mark.parametrize(
+    "space",
+    [
+        gymnasium.spaces.Box(0, 2**40, (1,), np.int64),
+        gymnasium.spaces.Discrete(2**40),
+        gymnasium.spaces.Box(0, 2**63, (1,), np.uint64),
+        gymnasium.spaces.Dict({"a": gymnasium.spaces.MultiDiscrete([3], start=[2**35])}),
+    ],
+)
+def test_integer_observations_beyond_what_jax_holds_are_refused(space):
+    class Wide(gymnasium.Env):
+        observation_space = space
+        action_space = gymnasium.spaces.Discrete(2)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            return self.observation_space.sample(), {}
+
+        def step(self, action):
+            return self.observation_space.sample(), 0.0, False, False, {}
+
+    if jax.config.jax_enable_x64:  # 64-bit values are kept
+        GymnasiumToJax(Wide(), seed=0)
+        return
+    # an observation of 2**33 + 7 would arrive as 7
+    with pytest.raises(ValueError, match="observation space.*jax_enable_x64"):
+        GymnasiumToJax(Wide(), seed=0)
+
+
+def test_integer_observations_within_32_bits_are_accepted():
+    space = gymnasium.spaces.Box(-(2**31), 2**31 - 1, (2,), np.int64)
+
+    class Fits(gymnasium.Env):
+        observation_space = space
+        action_space = gymnasium.spaces.Discrete(2)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            return np.array([-(2**31), 2**31 - 1], np.int64), {}
+
+    obs, _ = GymnasiumToJax(Fits(), seed=0).reset(jax.random.key(0))
+    np.testing.assert_array_equal(obs, [-(2**31), 2**31 - 1])
