@@ -59,8 +59,15 @@ class Source(Protocol):
         ...
 
 
+MAX_COUNT = int(np.iinfo(np.int32).max)
+
+
 def check_positive_int(name: str, value: Any) -> int:
-    """Return ``value`` as an int, or raise if it is not a positive integer."""
+    """Return ``value`` as an int, or raise if it is not an integer in ``[1, MAX_COUNT]``.
+
+    Positions, steps and epochs live in int32 state fields, so larger counts are refused
+    here, before anything is allocated for them.
+    """
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a positive integer, got {value!r}")
     try:
@@ -69,6 +76,10 @@ def check_positive_int(name: str, value: Any) -> int:
         raise TypeError(f"{name} must be a positive integer, got {value!r}") from None
     if number <= 0:
         raise ValueError(f"{name} must be a positive integer, got {number}")
+    if number > MAX_COUNT:
+        raise ValueError(
+            f"{name} must be at most {MAX_COUNT} (sources count in int32), got {number}"
+        )
     return number
 
 

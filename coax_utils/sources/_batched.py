@@ -75,8 +75,8 @@ class BatchedSource:
     Raises
     ------
     ValueError
-        If ``batch_size`` is not positive, or ``drop_last`` would drop every batch
-        (:math:`n < B`).
+        If ``batch_size`` is not positive or exceeds ``2**31 - 1``, or ``drop_last`` would
+        drop every batch (:math:`n < B`).
     TypeError
         If ``source`` does not implement the :class:`Source` protocol, or ``drop_last`` is
         not a bool.

@@ -92,8 +92,8 @@ class DiskSource:
     Raises
     ------
     ValueError
-        For a non-positive ``length`` or ``prefetch_size``, an unknown ``ordering``, or an
-        empty spec.
+        For a ``length`` or ``prefetch_size`` that is not positive or exceeds ``2**31 - 1``
+        (positions are int32), an unknown ``ordering``, or an empty spec.
     TypeError
         If ``sample_fn`` is not callable or a leaf of ``sample_spec`` is not a
         :class:`jax.ShapeDtypeStruct`.

@@ -95,7 +95,8 @@ class GymnaxSource:
     Raises
     ------
     ValueError
-        If ``steps_per_epoch`` is not positive, ``policy_state_template`` is None, or
+        If ``steps_per_epoch`` is not positive or exceeds ``2**31 - 1`` (the step counter
+        is int32), ``policy_state_template`` is None, or
         the step cannot be read (see :func:`coax_utils.envs.step_without_autoreset`).
     TypeError
         If ``policy_step_fn`` is not callable.

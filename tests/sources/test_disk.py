@@ -188,6 +188,9 @@ def test_no_retrace_on_second_call():
         (dict(length=-3), ValueError, "got -3"),
         (dict(prefetch_size=0), ValueError, "prefetch_size must be a positive integer"),
         (dict(length=2.5), TypeError, "length must be a positive integer"),
+        # positions are int32: refused before init_state allocates an 8 GiB order
+        (dict(length=2**31), ValueError, "length must be at most 2147483647"),
+        (dict(prefetch_size=2**40), ValueError, "prefetch_size must be at most"),
         (dict(ordering="backwards"), ValueError, "'backwards'"),
         (dict(sample_fn=3), TypeError, "sample_fn must be callable"),
         (dict(sample_spec={}), ValueError, "at least one leaf"),

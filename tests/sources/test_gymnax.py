@@ -216,6 +216,12 @@ class ThreeTuple:
             ValueError,
             "steps_per_epoch must be a positive integer, got 0",
         ),
+        (
+            (Chain(False), PARAMS, policy, TEMPLATE),
+            dict(steps_per_epoch=2**31),
+            ValueError,
+            "steps_per_epoch must be at most 2147483647",
+        ),
         ((Chain(False), PARAMS, policy, None), {}, ValueError, "policy_state_template"),
         ((Chain(False), PARAMS, "policy", TEMPLATE), {}, TypeError, "callable"),
         ((ThreeTuple(), None, policy, TEMPLATE), {}, ValueError, "got 3"),
