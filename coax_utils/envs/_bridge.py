@@ -197,9 +197,9 @@ class GymnasiumToJax:
     gymnasium vector env for batches), ``step`` before ``reset``, ``step`` with a stale
     state, i.e. any state other than the one returned by the latest ``reset``/``step``
     (e.g. stepping the same state twice), stepping a single env whose episode ended in
-    ``step_env`` without a ``reset`` in between, and stepping again after a step whose
-    observation or info could not be converted (the env was stepped, so the state passed
-    in no longer describes it: only ``reset`` goes on).
+    ``step_env`` without a ``reset`` in between, and stepping again after a step or reset
+    whose observation or info could not be converted (the env has moved on, so no earlier
+    state describes it: only ``reset`` goes on).
 
     Parameters
     ----------
@@ -486,7 +486,12 @@ class GymnasiumToJax:
         else:
             reset_seed = None if self._reset_done else self._seed
         obs, _ = self.env.reset(seed=reset_seed)
-        leaves = self._obs_leaves(obs, "the observation of reset")
+        try:
+            leaves = self._obs_leaves(obs, "the observation of reset")
+        except Exception:
+            # the env was reset: the state of the episode before no longer describes it
+            self._must_reset = "a reset whose observation could not be converted"
+            raise
         self._reset_done = True
         self._must_reset = None
         self._counter = (self._counter + 1) % _COUNTER_MOD

@@ -458,3 +458,28 @@ def test_integer_observations_within_32_bits_are_accepted():
 
     obs, _ = GymnasiumToJax(Fits(), seed=0).reset(jax.random.key(0))
     np.testing.assert_array_equal(obs, [-(2**31), 2**31 - 1])
+
+
+def test_a_reset_whose_observation_cannot_be_converted_needs_a_reset():
+    class BadSecondReset(DriftEnv):
+        def reset(self, *, seed=None, options=None):
+            obs, info = super().reset(seed=seed)
+            self.resets = getattr(self, "resets", 0) + 1
+            if self.resets == 2:
+                obs["pos"] = np.zeros(3, np.float32)
+            return obs, info
+
+    env = BadSecondReset()
+    benv = GymnasiumToJax(env, seed=0)
+    step = jax.jit(benv.step)
+    _, state = benv.reset(jax.random.key(0))
+    _, state, *_ = step(None, state, jnp.int32(0))
+    with pytest.raises(Exception, match="observation space"):
+        jax.block_until_ready(benv.reset(jax.random.key(1)))
+    # the env was reset: stepping the old episode's state would continue the new episode
+    with pytest.raises(Exception, match="could not be converted"):
+        jax.block_until_ready(step(None, state, jnp.int32(0)))
+    obs, state = benv.reset(jax.random.key(2))
+    assert env.resets == 3 and int(obs["steps"]) == 0
+    obs, state, *_ = step(None, state, jnp.int32(0))
+    assert int(obs["steps"]) == 1
