@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coax_utils._dataclass import pytree_dataclass
+from coax_utils.sources._array import ArraySource
 from coax_utils.sources._base import PyTree, Source, check_positive_int, zeros_like_spec
 
 __all__ = ["BatchedSource", "BatchedSourceState"]
@@ -109,6 +110,8 @@ class BatchedSource:
             raise TypeError(f"drop_last must be a bool, got {drop_last!r}")
         self._drop_last = bool(drop_last)
         self._source = source
+        # an ArraySource gathers a whole batch at once, unless a subclass changed its next
+        self._gather = isinstance(source, ArraySource) and type(source).next is ArraySource.next
         n = check_positive_int("source.steps_per_epoch", source.steps_per_epoch)
         self._inner_steps = n
         if self._drop_last:
@@ -181,9 +184,10 @@ class BatchedSource:
             The batch (leading axis ``batch_size``), its mask (False on padding rows) and
             the advanced state.
         """
-        fast = getattr(self._source, "_next_batch", None)
-        if fast is not None:
-            batch, mask, inner = fast(state.inner, self._batch_size, self._drop_last)
+        if self._gather:
+            batch, mask, inner = self._source._next_batch(
+                state.inner, self._batch_size, self._drop_last
+            )
         else:
             batch, mask, inner = self._collect(state)
         last = state.step + 1 >= self._steps

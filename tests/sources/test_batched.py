@@ -200,3 +200,18 @@ def test_bad_arguments(args, error, match):
 def test_drop_last_must_be_a_bool():
     with pytest.raises(TypeError, match="'no'"):
         BatchedSource(ArraySource(jnp.arange(5)), 2, drop_last="no")
+
+
+def test_a_subclass_that_changes_next_is_batched_through_its_next():
+    class Doubled(ArraySource):
+        def next(self, state):
+            value, mask, state = super().next(state)
+            return value * 2, mask, state
+
+    source = BatchedSource(Doubled(jnp.arange(1, 6), ordering="sequential"), 2)
+    state = source.init_state(jax.random.key(0))
+    batches = []
+    for _ in range(3):
+        batch, mask, state = jax.jit(source.next)(state)
+        batches.append((batch.tolist(), mask.tolist()))
+    assert batches == [([2, 4], [True, True]), ([6, 8], [True, True]), ([10, 0], [True, False])]
