@@ -22,6 +22,7 @@ from coax_utils.replay._functional import (
     PrioritizedBufferState,
     PrioritizedSample,
     UniformBufferState,
+    check_state,
     gather_rows,
     make_prioritized_buffer,
     make_uniform_buffer,
@@ -130,26 +131,17 @@ class _FrameRing:
 
     def check_state(self, state: Any, capacity: int) -> None:
         """Trace-time check that ``state`` has the shapes of this buffer's states (a state of
-        a buffer made with another capacity or frame_capacity would be read at wrong rows)."""
+        a buffer made with another capacity, frame_capacity or window would be read at
+        other rows)."""
         table = 1 << self.bits
-        rows = [
+        more = [
             ("frames", state.frames, self.capacity),
             ("table_hash", state.table_hash, table),
             ("table_id", state.table_id, table),
-            ("transitions.episode", state.transitions.episode, capacity),
-            ("birth", getattr(state, "birth", None), capacity),
         ]
-        rows += [
-            ("transitions.items", x, capacity)
-            for x in jax.tree_util.tree_leaves(state.transitions.items)
-        ]
-        for name, x, n in rows:
-            if x is not None and jnp.shape(x)[:1] != (n,):
-                raise ValueError(
-                    f"the state does not fit this buffer: {name} has shape {jnp.shape(x)}, "
-                    f"the buffer needs {n} rows (a state of a buffer made with another "
-                    "capacity, frame_capacity or window?)"
-                )
+        if hasattr(state, "birth"):
+            more.append(("birth", state.birth, capacity))
+        check_state(state.transitions, capacity, tuple(more))
 
     def init(self, example: TransitionBatch) -> tuple[TransitionBatch, dict[str, jax.Array]]:
         """The example with frame ids for stacks, and the initial frame fields of a state."""

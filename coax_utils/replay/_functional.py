@@ -62,6 +62,29 @@ def _init_storage(example_item: Any, capacity: int) -> Any:
     return jax.tree_util.tree_map(allocate, example_item)
 
 
+def check_state(state: Any, capacity: int, more: tuple = ()) -> None:
+    """Trace-time check that the arrays of a uniform or prioritized buffer's ``state`` (and
+    the ``more`` named arrays, ``(name, array, rows)``) have the rows a buffer of
+    ``capacity`` needs: a state of a buffer made with another capacity would be read and
+    written at other rows, silently."""
+    rows = [("episode", state.episode, capacity), *more]
+    rows += [("items", x, capacity) for x in jax.tree_util.tree_leaves(state.items)]
+    tree = getattr(state, "tree", None)
+    if tree is not None:
+        rows.append(("the sum tree's nodes", tree.nodes, 2 * tree.num_leaves))
+    for name, x, n in rows:
+        if jnp.shape(x)[:1] != (n,):
+            raise ValueError(
+                f"the state does not fit this buffer: {name} has shape {jnp.shape(x)}, the "
+                f"buffer needs {n} rows (a state of a buffer made with other arguments?)"
+            )
+    if tree is not None and tree.capacity != capacity:
+        raise ValueError(
+            f"the state does not fit this buffer: its sum tree holds {tree.capacity} values, "
+            f"the buffer needs {capacity}"
+        )
+
+
 def _check_items(storage: Any, items: Any, capacity: int) -> int:
     """Trace-time validation of ``items`` against the storage; return the batch size."""
     if jax.tree_util.tree_structure(items) != jax.tree_util.tree_structure(storage):
@@ -97,6 +120,7 @@ def _episode_ids(counter: jax.Array, episode_end: Any, batch_size: int) -> tuple
 
 
 def _write(state: Any, items: Any, episode_end: Any, capacity: int) -> tuple[Any, jax.Array]:
+    check_state(state, capacity)
     batch_size = _check_items(state.items, items, capacity)
     slots = (state.pos + jnp.arange(batch_size, dtype=jnp.int32)) % capacity
     storage = jax.tree_util.tree_map(
@@ -155,6 +179,7 @@ def _sample_sequences(
     length = _check_static_int(length, "length")
     if length > capacity:
         raise ValueError(f"length={length} exceeds the buffer's capacity {capacity}")
+    check_state(state, capacity)
     starts = random_index(key, (batch_size,), state.size - length + 1)
     oldest = jnp.where(state.size < capacity, 0, state.pos)
     slots = (oldest + starts[:, None] + jnp.arange(length, dtype=jnp.int32)) % capacity
@@ -291,6 +316,7 @@ def make_uniform_buffer(capacity: int) -> UniformBuffer:
 
     def sample(state: UniformBufferState, key: jax.Array, batch_size: int) -> Any:
         batch_size = _check_static_int(batch_size, "batch_size")
+        check_state(state, capacity)
         return gather_rows(state.items, random_index(key, (batch_size,), state.size))
 
     def can_sample(state: Any, batch_size: int) -> jax.Array:
@@ -491,6 +517,7 @@ def make_prioritized_buffer(
         state: PrioritizedBufferState, key: jax.Array, batch_size: int, beta: Any = None
     ) -> PrioritizedSample:
         batch_size = _check_static_int(batch_size, "batch_size")
+        check_state(state, capacity)
         if beta is None:
             beta_ = jnp.float32(default_beta)
         else:
@@ -508,6 +535,7 @@ def make_prioritized_buffer(
     def update(
         state: PrioritizedBufferState, indices: jax.Array, priorities: jax.Array
     ) -> PrioritizedBufferState:
+        check_state(state, capacity)
         indices, valid = checked_indices(indices, capacity)
         priorities = jnp.broadcast_to(
             jnp.asarray(priorities, jnp.float32).reshape(-1), indices.shape

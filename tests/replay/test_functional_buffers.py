@@ -132,6 +132,28 @@ def test_trace_time_validation():
         make_prioritized_buffer(4, epsilon=0.0)
 
 
+@pytest.mark.parametrize("make", [make_uniform_buffer, make_prioritized_buffer])
+def test_a_state_of_a_buffer_of_another_capacity_is_refused(make):
+    # it used to be read and written at the other buffer's rows: writes past the end were
+    # dropped and samples came from slots the buffer never filled, without an error
+    state = make(6).init(EXAMPLE)
+    for other in (make(5), make(8)):
+        with pytest.raises(ValueError, match="does not fit this buffer"):
+            other.add(state, items([0, 1]))
+        with pytest.raises(ValueError, match="does not fit this buffer"):
+            other.sample(state, jax.random.key(0), 2)
+        with pytest.raises(ValueError, match="does not fit this buffer"):
+            other.sample_sequences(state, jax.random.key(0), 2, 2)
+        if hasattr(other, "update"):
+            with pytest.raises(ValueError, match="does not fit this buffer"):
+                other.update(state, jnp.arange(2), jnp.ones(2))
+    if make is make_prioritized_buffer:  # items of the right size, a tree of another one
+        eight = make(8).init(EXAMPLE)
+        state = state.replace(tree=eight.tree)
+        with pytest.raises(ValueError, match="sum tree"):
+            make(6).sample(state, jax.random.key(0), 2)
+
+
 def test_prioritized_frequencies_weights_and_update_rules():
     alpha, beta, eps = 0.8, 0.5, 1e-3
     buffer = make_prioritized_buffer(16, alpha=alpha, beta=beta, epsilon=eps)
