@@ -75,9 +75,10 @@ class GymnaxSource:
     ``policy_step_fn(obs, policy_state, new_episode, key) -> (action, policy_state)``, where
     ``new_episode`` is True on an episode's first step. When an episode ends the
     environment is reset with ``env.reset``; after ``steps_per_epoch`` steps the epoch
-    ends and a fresh episode starts. ``env.reset`` runs under :func:`jax.lax.cond`, only
-    when needed, so host-backed environments see no extra resets. The mask of every item
-    is a scalar ``True``.
+    ends and a fresh episode starts: the epoch's last transition is marked ``truncated``
+    (and ``done``), as the episode it cuts ends there for whoever reads the stream.
+    ``env.reset`` runs under :func:`jax.lax.cond`, only when needed, so host-backed
+    environments see no extra resets. The mask of every item is a scalar ``True``.
 
     Parameters
     ----------
@@ -249,11 +250,15 @@ class GymnaxSource:
             state.obs, state.policy_state, state.new_episode, policy_key
         )
         step_out = self._step(step_key, state.env_state, action)
+        step = state.step + 1
+        epoch_ends = step >= self._steps_per_epoch
+        # the epoch's last step cuts its episode (the next item starts a fresh one): it is
+        # a truncation, so n-step returns and episode boundaries never run across epochs
+        *head, truncated, info = step_out
+        step_out = (*head, jnp.logical_or(truncated, epoch_ends), info)
         transition = self._transition(state.obs, action, step_out)
         next_obs, next_env_state = step_out[0], step_out[1]
         done = jnp.reshape(jnp.asarray(transition["done"], jnp.bool_), ())
-        step = state.step + 1
-        epoch_ends = step >= self._steps_per_epoch
 
         def reset(_: None) -> tuple[PyTree, PyTree]:
             return self._env.reset(reset_key, self._env_params)

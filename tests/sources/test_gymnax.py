@@ -140,7 +140,12 @@ def test_epochs_reset_the_environment():
     starts = [True, False, False, False, False] * 2 + [True, False]
     assert np.asarray(new_episode).tolist() == starts
     assert np.asarray(items["state"][:, 1]).tolist() == [0, 1, 2, 3, 4] * 2 + [0, 1]
-    assert not np.asarray(items["done"]).any()
+    # the last step of an epoch cuts its episode: a truncation (the env never terminated),
+    # so whoever reads the stream (n-step returns, replay) ends the episode there
+    cut = [False, False, False, False, True] * 2 + [False, False]
+    assert np.asarray(items["truncated"]).tolist() == cut
+    assert np.asarray(items["done"]).tolist() == cut
+    assert not np.asarray(items["terminated"]).any()
     assert env.resets == 3
     assert int(state.step) == 2 and int(state.epoch) == 2
 
@@ -267,8 +272,10 @@ def test_gymnasium_cartpole_through_the_bridge():
         obs, reward, terminated, truncated, _ = oracle.step(int(items["action"][t]))
         np.testing.assert_allclose(items["next_state"][t], obs, rtol=1e-6)
         assert items["reward"][t] == reward
-        assert items["terminated"][t] == terminated and items["truncated"][t] == truncated
-        if terminated or truncated or (t + 1) % steps_per_epoch == 0:
+        epoch_ends = (t + 1) % steps_per_epoch == 0  # cuts the episode: a truncation
+        assert items["terminated"][t] == terminated
+        assert items["truncated"][t] == (truncated or epoch_ends)
+        if terminated or truncated or epoch_ends:
             obs, _ = oracle.reset()
 
 
