@@ -266,6 +266,50 @@ def jitted(capacity: int, reps: int, rep_seconds: float) -> None:
     print(f"\n4. jitted sample of 32 stacks (k={K}), capacity {capacity}")
     report("  time per call", times, "make_frame_stack_buffer sample")
 
+    # the same sampling inside one jitted function, as a jitted training loop samples: 16
+    # batches drawn in a lax.scan per call, so the cost of a call to the runtime (which the
+    # figures above include, and which dominates them on a CPU) is paid once for 16 samples
+    steps = 16
+
+    @jax.jit
+    def many_samples(state, key):
+        def draw(_, k):
+            return None, buf.sample(state, k, 32)
+
+        return jax.lax.scan(draw, None, jax.random.split(key, steps))[1]
+
+    @jax.jit
+    def many_takes(d, d_next, key):
+        def draw(_, k):
+            i = jax.random.randint(k, (32,), 0, len(d))
+            return None, (jnp.take(d, i, axis=0), jnp.take(d_next, i, axis=0))
+
+        return jax.lax.scan(draw, None, jax.random.split(key, steps))[1]
+
+    s = many_samples(state, key)
+    t = rows[np.asarray(s.Rn[-1]).astype(np.int64)]
+    assert np.array_equal(np.asarray(s.S[-1]), frames[idx[t]])
+    assert np.array_equal(np.asarray(s.S_next[-1]), frames[idx[t + 1]])
+    times = round_robin(
+        {
+            "make_frame_stack_buffer sample": lambda: jax.block_until_ready(
+                many_samples(state, next(keys))
+            ),
+            "jnp.take from dense (N,k,84,84) x2": lambda: jax.block_until_ready(
+                many_takes(dense, dense_next, next(keys))
+            ),
+        },
+        reps,
+        rep_seconds,
+    )
+    for name in times:
+        times[name] = [t / steps for t in times[name]]
+    report(
+        f"  time per sample, {steps} samples in a lax.scan in one jitted call",
+        times,
+        "make_frame_stack_buffer sample",
+    )
+
 
 # -- 5: jitted prioritized sampling and update -----------------------------------------------
 
