@@ -25,12 +25,30 @@ class InsufficientCacheError(IndexError):
 
 
 def _check_finite(name: str, value: Any) -> None:
-    try:
-        finite = np.all(np.isfinite(np.asarray(value, dtype=np.float64)))
-    except (TypeError, ValueError):
-        finite = False
-    if not finite:
+    """``value`` must be one finite real number (Python, NumPy or a 0-d array)."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"{name} must be a real number, got {value!r:.80}")
+    if arr.ndim != 0:
+        raise ValueError(f"{name} must be a single number, got an array of shape {arr.shape}")
+    if not np.isfinite(arr):
         raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool: a bool, or a single number that is 0 or 1 (not a string)."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biuf" or arr.ndim != 0 or arr not in (0, 1):
+        raise TypeError(f"{name} must be a bool, got {value!r:.80}")
+    return bool(arr)
+
+
+def _check_return(value: float) -> None:
+    """A return must be finite as the float32 it is stored as."""
+    with np.errstate(over="ignore"):
+        finite = np.isfinite(np.float32(value))
+    if not finite:
+        raise ValueError(f"the discounted return {value!r} overflows float32; nothing was popped")
 
 
 def _check_gamma(gamma: Any) -> float:
@@ -87,8 +105,8 @@ class _BaseTracer(abc.ABC):
             for field, value in zip(("r", "logp", "w"), step[2:]):
                 try:
                     _check_finite(field, value)
-                except ValueError as e:
-                    raise ValueError(f"{name} state: steps[{i}]: {e}") from None
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"{name} state: steps[{i}]: {e}") from None
         if not (isinstance(terminated, bool) and isinstance(truncated, bool)):
             raise TypeError(f"{name} state: terminated and truncated must be bools")
         if terminated and truncated:
@@ -97,6 +115,11 @@ class _BaseTracer(abc.ABC):
             raise ValueError(f"{name} state: final must be given exactly after a truncation")
         if final is not None and not (isinstance(final, (tuple, list)) and len(final) == 3):
             raise ValueError(f"{name} state: final must be (s_next, a_next, logp_next)")
+        if final is not None:
+            try:
+                _check_finite("logp_next", final[2])
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{name} state: final: {e}") from None
         obj.reset()
         obj._steps = deque(tuple(step) for step in steps)
         obj._terminated, obj._truncated = terminated, truncated
@@ -177,8 +200,12 @@ class _BaseTracer(abc.ABC):
         EpisodeDoneError
             If the episode already ended and the tracer still holds transitions of it (pop or
             flush them first).
+        TypeError
+            If ``r``, ``logp`` or ``w`` is not a real number (a string, say), or ``done`` or
+            ``truncated`` is not a bool (or a number that is 0 or 1).
         ValueError
-            If ``r``, ``logp`` or ``w`` is not a finite number.
+            If ``r``, ``logp`` or ``w`` is not a single finite number. A rejected step
+            changes nothing.
         """
         if self._ended and len(self):
             raise EpisodeDoneError(
@@ -187,11 +214,12 @@ class _BaseTracer(abc.ABC):
             )
         for name, value in (("r", r), ("logp", logp), ("w", w)):
             _check_finite(name, value)
+        done, truncated = _check_flag("done", done), _check_flag("truncated", truncated)
         if self._ended:  # previous episode fully consumed: start a new one
             self.reset()
         self._steps.append((s, a, r, logp, w))
-        self._terminated = bool(done)
-        self._truncated = bool(truncated) and not self._terminated
+        self._terminated = done
+        self._truncated = truncated and not done
         if self._truncated:
             if s_next is not None:
                 # the action at S_next was never taken; the last action is a placeholder
@@ -307,6 +335,8 @@ class NStep(_BaseTracer):
         ------
         InsufficientCacheError
             If the tracer holds no complete transition (see the truthiness rule above).
+        ValueError
+            If the return overflows the float32 it is stored as; nothing is popped.
         """
         if not self:
             raise InsufficientCacheError(
@@ -315,7 +345,8 @@ class NStep(_BaseTracer):
             )
         extra_info = self._extra_info() if self.record_extra_info else None
         k = min(self.n, len(self._steps))
-        rn = sum(self._gammas[j] * float(self._steps[j][2]) for j in range(k))
+        rn = sum(float(self._gammas[j]) * float(self._steps[j][2]) for j in range(k))
+        _check_return(rn)
         s, a, _, logp, w = self._steps.popleft()
         if len(self._steps) >= self.n:
             s_next, a_next, _, logp_next, _ = self._steps[self.n - 1]
@@ -422,14 +453,19 @@ class MonteCarlo(_BaseTracer):
         ------
         InsufficientCacheError
             If the tracer is empty or the episode has not ended yet.
+        ValueError
+            If the return overflows the float32 it is stored as; nothing is popped.
         """
         if not self:
             raise InsufficientCacheError(
                 "MonteCarlo can pop only after the episode ended (done or truncated) and "
                 f"while steps remain (it holds {len(self)})"
             )
-        s, a, r, logp, w = self._steps.pop()
-        self._g = float(r) + self.gamma * self._g
+        s, a, r, logp, w = self._steps[-1]
+        g = float(r) + self.gamma * self._g
+        _check_return(g)
+        self._steps.pop()
+        self._g = g
         self._k += 1
         if self._truncated:
             s_next, a_next, logp_next = self._final

@@ -254,3 +254,63 @@ def test_tracer_checkpoint_restore_checks_every_invariant():
         with pytest.raises((ValueError, TypeError)):
             cls.__checkpoint_restore__(state)
             pytest.fail(f"accepted {state}")
+
+
+@pytest.mark.parametrize("cls", [NStep, MonteCarlo])
+def test_steps_that_cannot_be_traced_are_refused_before_anything_changes(cls):
+    from coax_utils import utils
+
+    tracer = NStep(2, 0.9) if cls is NStep else MonteCarlo(0.9)
+    tracer.add(0, 0, 1.0, False)
+    before = utils.dumps(tracer)
+    bad = [
+        dict(r=np.array([1.0, 2.0])),  # one reward per step, not an array
+        dict(r="1.5"),  # a string is not a reward
+        dict(r=None),
+        dict(logp=np.zeros(3)),
+        dict(w=np.ones(2)),
+        dict(done="False"),  # a string flag would read as True
+        dict(done=None),
+        dict(truncated="no"),
+        dict(done=np.array([True, False])),
+    ]
+    for kwargs in bad:
+        step = dict(s=1, a=0, r=1.0, done=False) | kwargs
+        with pytest.raises((TypeError, ValueError)):
+            tracer.add(**step)
+            pytest.fail(f"accepted {kwargs}")
+        assert utils.dumps(tracer) == before
+    # 0-d arrays and numbers that are 0 or 1 are fine
+    tracer.add(1, 0, np.float32(2.0), np.bool_(False), logp=np.array(0.0), w=np.array(1.0))
+    tracer.add(2, 0, 1.0, 1)
+    batch = tracer.flush()
+    assert batch.batch_size == 3 and batch.Rn.shape == batch.logP.shape == (3,)
+
+
+@pytest.mark.parametrize("cls", [NStep, MonteCarlo])
+def test_a_return_that_overflows_float32_is_refused_not_stored_as_inf(cls):
+    from coax_utils import utils
+
+    tracer = NStep(3, 1.0) if cls is NStep else MonteCarlo(1.0)
+    for t in range(3):
+        tracer.add(t, 0, 2e38, done=t == 2)
+    if cls is MonteCarlo:
+        assert tracer.pop().Rn[0] == np.float32(2e38)  # the last step alone still fits
+    before = utils.dumps(tracer)
+    with pytest.raises(ValueError, match="overflows"):
+        tracer.pop()
+    assert utils.dumps(tracer) == before
+
+
+def test_restored_steps_must_hold_single_numbers():
+    nstep = _traced(NStep(2, 0.9), 3, truncated=True, s_next=np.full(2, 9)).__checkpoint_state__()
+    step = nstep["steps"][0]
+    bad = [
+        dict(nstep, steps=[(step[0], step[1], np.ones(3), 0.0, 1.0)] * 2),
+        dict(nstep, steps=[(step[0], step[1], "1.0", 0.0, 1.0)] * 2),
+        dict(nstep, final=(nstep["final"][0], 0, np.ones(2))),
+    ]
+    for state in bad:
+        with pytest.raises((ValueError, TypeError)):
+            NStep.__checkpoint_restore__(state)
+            pytest.fail(f"accepted {state}")
