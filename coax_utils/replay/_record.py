@@ -8,6 +8,7 @@ from typing import Any
 import gymnasium
 import jax
 import numpy as np
+from gymnasium.vector.utils import iterate
 
 from coax_utils.replay._host import PrioritizedReplayBuffer, SimpleReplayBuffer
 from coax_utils.replay._tracing import NStep
@@ -27,6 +28,12 @@ def _check_tracer(tracer: Any) -> Any:
         if not callable(getattr(tracer, method, None)):
             raise TypeError(f"tracer must have an {method!r} method (e.g. NStep), got {tracer!r}")
     return tracer
+
+
+_UNSYNCED = (
+    "call reset() before step() (the recorder needs the observation the step starts from; "
+    "after a step whose recording failed, it no longer knows it)"
+)
 
 
 def _check_buffer(buffer: Any) -> Any:
@@ -62,7 +69,9 @@ class RecordTransitions(gymnasium.Wrapper):
     truncated one keeps bootstrapping (see :class:`NStep`). Host buffers also get the
     ``episode_end`` marks that :meth:`SimpleReplayBuffer.sample_sequences` uses. Calling
     :meth:`reset` in the middle of an episode drops the transitions the tracer still holds
-    (they have no known end).
+    (they have no known end). A step the env took but that could not be recorded (the tracer
+    refused a non-finite reward, the buffer refused the batch) raises, and later steps raise
+    RuntimeError until :meth:`reset`: the recorder no longer knows the state they start from.
 
     Given a gymnasium vector env, the constructor returns a :class:`RecordVectorTransitions`
     instead (one tracer per sub-env).
@@ -114,19 +123,22 @@ class RecordTransitions(gymnasium.Wrapper):
     def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict]:
         """Step the env and record the transition; see :meth:`gymnasium.Env.step`."""
         if self._obs is None:
-            raise RuntimeError("call reset() before step()")
+            raise RuntimeError(_UNSYNCED)
         obs, reward, terminated, truncated, info = self.env.step(action)
-        obs_copy = _copy_tree(obs)
-        self.tracer.add(
-            self._obs,
-            _copy_tree(action),
-            float(reward),
-            bool(terminated),
-            truncated=bool(truncated),
-            s_next=obs_copy,
-        )
-        ended = bool(terminated or truncated)
-        _drain(self.tracer, self.buffer, ended)
+        try:
+            obs_copy = _copy_tree(obs)
+            self.tracer.add(
+                self._obs,
+                _copy_tree(action),
+                float(reward),
+                bool(terminated),
+                truncated=bool(truncated),
+                s_next=obs_copy,
+            )
+            _drain(self.tracer, self.buffer, bool(terminated or truncated))
+        except BaseException:
+            self._obs = None  # the env moved on without the recorder: refuse steps until reset
+            raise
         self._obs = obs_copy
         return obs, reward, terminated, truncated, info
 
@@ -170,7 +182,9 @@ class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
         obs, info = self.env.reset(**kwargs)
         options = kwargs.get("options") or {}
         mask = options.get("reset_mask")
-        mask = np.ones(self.num_envs, bool) if mask is None else np.asarray(mask, bool)
+        if mask is None or self._obs is None:  # after a failed recording, restart all tracers
+            mask = np.ones(self.num_envs, bool)
+        mask = np.asarray(mask, bool)
         for i in np.flatnonzero(mask):
             self.tracers[i].reset()
         self._skip[mask] = False
@@ -180,8 +194,22 @@ class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict]:
         """Step the env and record one transition per sub-env."""
         if self._obs is None:
-            raise RuntimeError("call reset() before step()")
+            raise RuntimeError(_UNSYNCED)
+        per_env = list(iterate(self.env.action_space, actions))  # refused before stepping
+        if len(per_env) != self.num_envs:
+            raise ValueError(f"actions must hold one action per sub-env ({self.num_envs})")
         obs, rewards, terminated, truncated, info = self.env.step(actions)
+        try:
+            self._record(per_env, obs, rewards, terminated, truncated, info)
+        except BaseException:
+            self._obs = None  # the env moved on without the recorder: refuse steps until reset
+            raise
+        return obs, rewards, terminated, truncated, info
+
+    def _record(
+        self, per_env: list, obs: Any, rewards: Any, terminated: Any, truncated: Any, info: dict
+    ) -> None:
+        """Feed the tracers one step of every sub-env and drain them into the buffer."""
         obs_copy = _copy_tree(obs)
         for i in range(self.num_envs):
             if self._skip[i]:  # NEXT_STEP autoreset: this step only reset sub-env i
@@ -193,7 +221,7 @@ class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
                 s_next = jax.tree_util.tree_map(lambda x, i=i: x[i], obs_copy)
             self.tracers[i].add(
                 jax.tree_util.tree_map(lambda x, i=i: x[i], self._obs),
-                jax.tree_util.tree_map(lambda x, i=i: np.array(x[i]), actions),
+                _copy_tree(per_env[i]),
                 float(rewards[i]),
                 term,
                 truncated=trunc,
@@ -203,4 +231,3 @@ class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
         ended = np.logical_or(terminated, truncated)
         self._skip = ended & (self._mode == gymnasium.vector.AutoresetMode.NEXT_STEP)
         self._obs = obs_copy
-        return obs, rewards, terminated, truncated, info

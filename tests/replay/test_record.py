@@ -123,3 +123,66 @@ def test_vector_env_one_tracer_per_sub_env(mode):
         key(got.S[k], got.A[k], got.Rn[k], got.In[k], got.S_next[k]) for k in range(got.batch_size)
     )
     assert have == want
+
+
+def test_vector_actions_as_a_list_are_recorded_like_an_array():
+    def run(as_list):
+        venv = gymnasium.vector.SyncVectorEnv([lambda: gymnasium.make("CartPole-v1")] * 2)
+        buffer = SimpleReplayBuffer(100)
+        env = RecordTransitions(venv, buffer)
+        env.reset(seed=3)
+        for t in range(5):
+            actions = [t % 2, 1 - t % 2]
+            env.step(actions if as_list else np.array(actions))
+        return contents(buffer)
+
+    got, want = run(as_list=True), run(as_list=False)
+    assert got.batch_size == want.batch_size == 8
+    np.testing.assert_array_equal(got.A, want.A)
+    np.testing.assert_array_equal(got.S, want.S)
+    env = RecordTransitions(
+        gymnasium.vector.SyncVectorEnv([lambda: gymnasium.make("CartPole-v1")] * 2),
+        SimpleReplayBuffer(100),
+    )
+    s, _ = env.reset(seed=0)
+    with pytest.raises(ValueError, match="one action per sub-env"):
+        env.step([0])  # refused before the env steps
+    env.step(np.array([1, 1]))
+    env.step(np.array([1, 1]))
+    np.testing.assert_allclose(contents(env.buffer).S, s)  # the steps started from s
+
+
+def nan_reward_at(step):
+    """CartPole whose reward at its given step (counted over the env's life) is NaN."""
+    count = [0]
+
+    def reward(r):
+        count[0] += 1
+        return float("nan") if count[0] == step else r
+
+    return gymnasium.wrappers.TransformReward(gymnasium.make("CartPole-v1"), reward)
+
+
+@pytest.mark.parametrize("vector", [False, True])
+def test_a_step_whose_recording_fails_refuses_steps_until_reset(vector):
+    buffer = SimpleReplayBuffer(100)
+    if vector:
+        env = RecordTransitions(
+            gymnasium.vector.SyncVectorEnv([lambda: nan_reward_at(3)] * 2), buffer
+        )
+        action = np.array([0, 1])
+    else:
+        env = RecordTransitions(nan_reward_at(3), buffer)
+        action = 0
+    env.reset(seed=0)
+    env.step(action)
+    env.step(action)
+    with pytest.raises(ValueError, match="finite"):
+        env.step(action)  # the env stepped, the recorder could not follow
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step(action)  # would record a transition from a stale observation
+    s, _ = env.reset(seed=1)
+    env.step(action)
+    env.step(action)
+    newest = list(buffer)[-2 if vector else -1]
+    np.testing.assert_allclose(newest.S[0], s[0] if vector else s)
