@@ -6,6 +6,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -195,6 +196,15 @@ def _interrupted_swap(target: str) -> str | None:
     staged, replaced = _leftovers(target)
     tokens = sorted(set(staged) & set(replaced))
     return staged[tokens[-1]] if tokens else None
+
+
+def _is_regular_file(path: str) -> bool:
+    """Whether ``path`` is a regular file itself (not a link, FIFO or device, which
+    :meth:`save` never writes; reading a FIFO would block forever)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _is_saved_folder(path: str) -> bool:
@@ -945,8 +955,9 @@ class _RingStorage:
         FileNotFoundError
             If ``path`` does not exist.
         ValueError
-            If the folder is incomplete, does not hold a buffer of this class, or anything
-            in it is inconsistent; the message names the folder.
+            If the folder is incomplete, does not hold a buffer of this class, holds a file
+            that is not a regular file (a link, a FIFO: none is read), or anything in it is
+            inconsistent; the message names the folder.
         """
         if mmap_mode not in ("c", "r", None):
             hint = " (writing through to a saved folder would break it; use save)"
@@ -963,8 +974,10 @@ class _RingStorage:
         def bad(what: str) -> ValueError:
             return ValueError(f"{folder!r} does not hold a complete saved {cls.__name__}: {what}")
 
-        if not os.path.isfile(meta_path):
+        if not os.path.lexists(meta_path):
             raise bad(f"{_META} is missing (an incomplete save)")
+        if not _is_regular_file(meta_path):
+            raise bad(f"{_META} is not a regular file")
         try:
             record = utils.load(meta_path, safe=True)
         except (ValueError, TypeError, OSError, EOFError) as e:
@@ -1017,6 +1030,8 @@ class _RingStorage:
         dtype, shape = entry.get("dtype"), entry.get("shape")
         if not (isinstance(dtype, str) and isinstance(shape, list)):
             raise bad(f"{entry['file']}: dtype and shape must be recorded")
+        if not _is_regular_file(path):
+            raise bad(f"{entry['file']} is not a regular file")
         try:
             np_dtype = checked_dtype(dtype, "dtype")
             empty = int(np.prod(shape, dtype=np.int64)) == 0

@@ -410,6 +410,25 @@ def test_incomplete_or_mismatched_folders_raise_value_error(cls, tmp_path):
         os.replace(b / "meta.lz4", p / "meta.lz4")
 
     damaged("mixed", other_meta)
+
+    def fifo(name):
+        def damage(p):
+            os.remove(p / name)
+            os.mkfifo(p / name)  # reading it would block forever
+
+        return damage
+
+    def link(name):
+        def damage(p):
+            elsewhere = p.parent / f"{p.name}_{name}"
+            os.rename(p / name, elsewhere)
+            os.symlink(elsewhere, p / name)  # a valid leaf, but not in the folder
+
+        return damage
+
+    damaged("link_leaf", link("leaf_1.npy"))
+    damaged("fifo_leaf", fifo("leaf_0.npy"))
+    damaged("fifo_meta", fifo("meta.lz4"))
     other = PrioritizedReplayBuffer if cls is SimpleReplayBuffer else SimpleReplayBuffer
     with pytest.raises(ValueError, match="holds"):
         other.load(a)
