@@ -11,7 +11,7 @@ import numpy as np
 from gymnasium.vector.utils import iterate
 
 from coax_utils.replay._host import PrioritizedReplayBuffer, SimpleReplayBuffer
-from coax_utils.replay._tracing import NStep
+from coax_utils.replay._tracing import MonteCarlo, NStep
 from coax_utils.replay._transition import TransitionBatch
 
 __all__ = ["RecordTransitions", "RecordVectorTransitions"]
@@ -50,6 +50,8 @@ def _drain(tracer: Any, buffer: Any, ended: bool) -> int:
     if not batches:
         return 0
     batch = TransitionBatch.concatenate(*batches)
+    if isinstance(tracer, MonteCarlo):  # it pops last step first: store in time order
+        batch = batch[::-1]
     if isinstance(buffer, (SimpleReplayBuffer, PrioritizedReplayBuffer)):
         ends = np.zeros(batch.batch_size, bool)
         ends[-1] = ended and not len(tracer)
@@ -66,12 +68,14 @@ class RecordTransitions(gymnasium.Wrapper):
     flags (and the next observation, to bootstrap from after a truncation) into the tracer,
     and adds whatever the tracer can pop to the buffer, so at the end of an episode (either
     way) the tracer is flushed. A terminated episode's last transitions get ``In = 0``; a
-    truncated one keeps bootstrapping (see :class:`NStep`). Host buffers also get the
-    ``episode_end`` marks that :meth:`SimpleReplayBuffer.sample_sequences` uses. Calling
-    :meth:`reset` in the middle of an episode drops the transitions the tracer still holds
-    (they have no known end). A step the env took but that could not be recorded (the tracer
-    refused a non-finite reward, the buffer refused the batch) raises, and later steps raise
-    RuntimeError until :meth:`reset`: the recorder no longer knows the state they start from.
+    truncated one keeps bootstrapping (see :class:`NStep`). Transitions reach the buffer in
+    time order (a :class:`MonteCarlo` tracer's, popped last step first, are reversed). Host
+    buffers also get the ``episode_end`` marks that :meth:`SimpleReplayBuffer.sample_sequences`
+    uses. Calling :meth:`reset` in the middle of an episode drops the transitions the tracer
+    still holds (they have no known end). A step the env took but that could not be recorded
+    (the tracer refused a non-finite reward, the buffer refused the batch) raises, and later
+    steps raise RuntimeError until :meth:`reset`: the recorder no longer knows the state they
+    start from.
 
     Given a gymnasium vector env, the constructor returns a :class:`RecordVectorTransitions`
     instead (one tracer per sub-env).

@@ -186,3 +186,21 @@ def test_a_step_whose_recording_fails_refuses_steps_until_reset(vector):
     env.step(action)
     newest = list(buffer)[-2 if vector else -1]
     np.testing.assert_allclose(newest.S[0], s[0] if vector else s)
+
+
+def test_monte_carlo_episodes_reach_the_buffer_in_time_order():
+    from coax_utils.replay import MonteCarlo
+
+    buffer = SimpleReplayBuffer(100, random_seed=0)
+    env = RecordTransitions(
+        gymnasium.make("CartPole-v1", max_episode_steps=5), buffer, MonteCarlo(0.9)
+    )
+    states = [env.reset(seed=0)[0]]
+    for t in range(5):
+        states.append(env.step(t % 2)[0])
+    got = contents(buffer)
+    np.testing.assert_allclose(got.S, states[:5])  # oldest first, as stepped
+    np.testing.assert_allclose(got.Rn, [sum(0.9**j for j in range(5 - t)) for t in range(5)])
+    window = buffer.sample_sequences(1, 5)
+    assert window.mask.all()  # one episode, its last step marked as the end
+    np.testing.assert_allclose(window.items.S[0], states[:5])
