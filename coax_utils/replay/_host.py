@@ -313,6 +313,8 @@ class _RingStorage:
                 f"transition_batch.W must be a float array of shape ({batch_size},), got "
                 f"{W.dtype}{list(W.shape)}"
             )
+        if not np.all(np.isfinite(W) & (W >= 0)):
+            raise ValueError(f"transition_batch.W must be finite and >= 0, got {W!r:.80}")
         stored = transition_batch.replace(idx=None, W=W)
         leaves, treedef = jax.tree_util.tree_flatten(stored)
         leaves = [np.asarray(x) for x in leaves]
@@ -792,6 +794,9 @@ class _RingStorage:
         w = self._storage[self._w_pos]
         if w.ndim != 1 or w.dtype.kind != "f":
             raise ValueError(f"{name} state: W must be stored as floats, one per transition")
+        filled = w[: len(self)]  # slots fill from 0 up
+        if not np.all(np.isfinite(filled) & (filled >= 0)):
+            raise ValueError(f"{name} state: the stored weights W must be finite and >= 0")
 
     def _check_column(self, i: int, spec: Any, block: Any) -> tuple[int, int, int]:
         name = type(self).__name__
@@ -1104,8 +1109,8 @@ class SimpleReplayBuffer(_RingStorage):
             If ``transition_batch`` is not a :class:`TransitionBatch`.
         ValueError
             If its structure, per-item shapes or dtypes differ from the stored transitions, its
-            fields disagree on the batch size, or ``W`` is not one float per transition. The
-            buffer is unchanged.
+            fields disagree on the batch size, or ``W`` is not one finite float >= 0 per
+            transition. The buffer is unchanged.
         """
         self._add(transition_batch, None, episode_end)
 

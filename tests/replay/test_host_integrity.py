@@ -164,6 +164,9 @@ def test_strings_and_other_non_numbers_are_refused():
         buffer.add(batch([1]).replace(S=np.array([["a", "b", "c"]], object)))
     with pytest.raises(ValueError, match="W"):
         buffer.add(batch([1]).replace(W=np.ones(1, np.int32)))
+    for w in (np.nan, np.inf, -1.0):  # sampled weights would be NaN, infinite or negative
+        with pytest.raises(ValueError, match="W must be finite"):
+            buffer.add(batch([1]).replace(W=np.array([w], np.float32)))
     assert snapshot(buffer) == before
 
 
@@ -279,6 +282,15 @@ def _mutations(cls):
     def leaf(i, value):
         return lambda s: s["leaves"].__setitem__(i, value)
 
+    def stored_w(value):
+        def mutate(s):
+            column = s["leaves"][-1]  # W, the last leaf, packed in block
+            assert column["dtype"] == "<f4"
+            offset = column["offset"]
+            s["block"][0, offset : offset + 4] = np.array([value], np.float32).view(np.uint8)
+
+        return mutate
+
     def spec(i, **changes):
         return lambda s: s["leaves"][i].update(changes)
 
@@ -311,6 +323,8 @@ def _mutations(cls):
         "spec shape": spec(1, shape=[-1]),
         "spec keys": lambda s: s["leaves"][1].pop("offset"),
         "shared arrays": lambda s: s["leaves"].__setitem__(5, s["leaves"][0]),
+        "stored W nan": stored_w(np.nan),
+        "stored W negative": stored_w(-1.0),
     }
     if cls is PrioritizedReplayBuffer:
         m.update(
