@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -210,6 +211,19 @@ def _is_regular_file(path: str) -> bool:
 def _is_saved_folder(path: str) -> bool:
     names = os.listdir(path)
     return all(n == _META or re.fullmatch(r"leaf_\d+\.npy", n) for n in names)
+
+
+def _npy_header(path: str) -> tuple[tuple[int, ...], np.dtype, int, int]:
+    """``(shape, dtype, data offset, file size)`` of a ``.npy`` file, from its header alone."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"unsupported .npy format version {version}")
+        return shape, dtype, f.tell(), os.fstat(f.fileno()).st_size
 
 
 def _write_npy(path: str, arr: np.ndarray) -> None:
@@ -1039,16 +1053,23 @@ class _RingStorage:
             raise bad(f"{entry['file']} is not a regular file")
         try:
             np_dtype = checked_dtype(dtype, "dtype")
-            empty = int(np.prod(shape, dtype=np.int64)) == 0
-            arr = np.load(path, mmap_mode=None if empty else mmap_mode, allow_pickle=False)
+            got_shape, got_dtype, data_start, size = _npy_header(path)
         except (TypeError, ValueError, OSError, EOFError) as e:
             raise bad(f"{entry['file']} cannot be read ({e})") from None
-        if arr.dtype != np_dtype or list(arr.shape) != shape:
+        # checked before np.load, which allocates what the header claims
+        if got_dtype != np_dtype or list(got_shape) != shape:
             raise bad(
-                f"{entry['file']} holds {arr.dtype}{list(arr.shape)}, the metadata says "
+                f"{entry['file']} holds {got_dtype}{list(got_shape)}, the metadata says "
                 f"{dtype}{shape}"
             )
-        return arr
+        nbytes = np_dtype.itemsize * math.prod(got_shape)
+        if size < data_start + nbytes:
+            raise bad(f"{entry['file']} is shorter than the {nbytes} bytes of its array")
+        try:
+            mode = None if nbytes == 0 else mmap_mode
+            return np.load(path, mmap_mode=mode, allow_pickle=False)
+        except (TypeError, ValueError, OSError, EOFError) as e:
+            raise bad(f"{entry['file']} cannot be read ({e})") from None
 
 
 class SimpleReplayBuffer(_RingStorage):

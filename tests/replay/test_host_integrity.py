@@ -448,6 +448,27 @@ def test_incomplete_or_mismatched_folders_raise_value_error(cls, tmp_path):
         other.load(a)
 
 
+@pytest.mark.parametrize("mmap_mode", ["c", None])
+def test_a_leaf_header_claiming_a_huge_array_is_refused_before_allocating(mmap_mode, tmp_path):
+    from coax_utils import utils
+
+    path = tmp_path / "buf"
+    filled(SimpleReplayBuffer, n=13).save(path)
+    record = utils.load(path / "meta.lz4", safe=True)
+    entry = record["files"][1]
+    huge = [1 << 40] + entry["shape"][1:]  # far more than any machine can allocate
+    with open(path / entry["file"], "wb") as f:
+        header = {"descr": entry["dtype"], "fortran_order": False, "shape": tuple(huge)}
+        np.lib.format.write_array_header_1_0(f, header)
+        f.write(bytes(64))
+    with pytest.raises(ValueError, match="metadata says"):
+        SimpleReplayBuffer.load(path, mmap_mode=mmap_mode)
+    entry["shape"] = huge  # the metadata agrees, the file is far too short
+    utils.dump(record, path / "meta.lz4")
+    with pytest.raises(ValueError, match="shorter"):
+        SimpleReplayBuffer.load(path, mmap_mode=mmap_mode)
+
+
 def test_save_refuses_to_replace_a_folder_it_did_not_write(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
