@@ -123,7 +123,7 @@ def quantile_cos_embedding(quantile_fractions: Any, n: int = 64) -> jax.Array:
     Returns
     -------
     quantile_embs : jax.Array, shape ``quantile_fractions.shape + (n,)``
-        The embeddings (floating dtype).
+        The embeddings, of the fractions' floating dtype (computed in float32 at least).
 
     Examples
     --------
@@ -136,5 +136,8 @@ def quantile_cos_embedding(quantile_fractions: Any, n: int = 64) -> jax.Array:
     tau = jnp.asarray(quantile_fractions)
     if not jnp.issubdtype(tau.dtype, jnp.floating):
         tau = tau.astype(jnp.result_type(float))
-    i = jnp.arange(n, dtype=tau.dtype)
-    return jnp.cos(jnp.pi * i * tau[..., None])
+    # computed in float32 at least: half floats hold integers exactly only up to 2048
+    # (float16) or 256 (bfloat16), so i itself, and then pi * i * tau, would be wrong
+    wide = jnp.promote_types(tau.dtype, jnp.float32)
+    i = jnp.arange(n, dtype=wide)
+    return jnp.cos(jnp.pi * i * tau[..., None].astype(wide)).astype(tau.dtype)

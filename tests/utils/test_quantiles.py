@@ -76,6 +76,17 @@ def test_quantile_cos_embedding_default_and_vmap():
     np.testing.assert_allclose(ints, [[1.0, 1.0], [1.0, -1.0]], atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_quantile_cos_embedding_of_half_floats_beyond_their_exact_integers(dtype):
+    # float16 holds integers exactly only up to 2048, bfloat16 up to 256: with i built in the
+    # fractions' dtype, rows i > 2048 (or 256) were embedded with the wrong frequency
+    tau = jnp.array([0.5, 0.25], dtype)
+    emb = utils.quantile_cos_embedding(tau, n=4100)
+    assert emb.dtype == dtype and emb.shape == (2, 4100)
+    expected = np.cos(np.pi * np.arange(4100) * np.array([[0.5], [0.25]]))
+    np.testing.assert_allclose(np.asarray(emb, np.float32), expected, atol=1e-2)
+
+
 def test_quantile_errors():
     with pytest.raises(ValueError, match="num_quantiles must be >= 1"):
         utils.quantiles(2, 0)
