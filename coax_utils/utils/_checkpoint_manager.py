@@ -507,7 +507,8 @@ class CheckpointManager:
             checkpoint that does not load (truncated or corrupted: :func:`load` raises
             ``ValueError``) is skipped with a :class:`RuntimeWarning` naming the file; with
             ``safe=False`` it is also renamed to ``<name>.corrupt`` and leaves the manager's
-            steps, so that training can go on from the restored step. With ``safe=True`` a
+            steps, so that training can go on from the restored step (where that name is
+            taken, e.g. by a folder, it is left in place). With ``safe=True`` a
             refusal cannot be told from corruption, and the file is left in place. A
             checkpoint file removed from the folder since the manager listed it is skipped
             the same way (with a warning) and leaves the manager's steps.
@@ -550,9 +551,13 @@ class CheckpointManager:
             except ValueError as err:
                 action, error = "left in place", err
                 if not safe:
-                    os.replace(path, path + ".corrupt")
-                    self._forget(candidate)
-                    action = f"renamed to {os.path.basename(path)}.corrupt"
+                    try:
+                        os.replace(path, path + ".corrupt")
+                    except OSError as rename_error:  # e.g. a folder holds that name
+                        action = f"left in place, as it could not be renamed: {rename_error}"
+                    else:
+                        self._forget(candidate)
+                        action = f"renamed to {os.path.basename(path)}.corrupt"
             warnings.warn(
                 f"skipping checkpoint {path!r} (step {candidate}), which does not load "
                 f"({action}): {error}",

@@ -576,6 +576,21 @@ def test_restart_removes_unfinished_files_and_keeps_foreign_ones(tmp_path):
     assert (tmp_path / "ckpt_5.pkl.lz4").exists()
 
 
+def test_restore_skips_a_corrupt_checkpoint_that_cannot_be_renamed(tmp_path):
+    # a folder already named <checkpoint>.corrupt: restore raised IsADirectoryError instead
+    # of going on with the next older checkpoint
+    with utils.CheckpointManager(tmp_path, max_to_keep=3) as m:
+        for step in (10, 20):
+            m.save(step, {"step": step})
+    newest = tmp_path / ckpt(20)
+    newest.write_bytes(newest.read_bytes()[:10])
+    (tmp_path / (ckpt(20) + ".corrupt")).mkdir()
+    with utils.CheckpointManager(tmp_path, max_to_keep=3) as m:
+        with pytest.warns(RuntimeWarning, match="could not be renamed"):
+            assert m.restore(safe=False)["step"] == 10
+        assert newest.exists() and m.all_steps() == [10, 20]
+
+
 def test_corrupt_metrics_file_is_ignored_with_a_warning(tmp_path):
     with utils.CheckpointManager(tmp_path, best_fn=lambda m: m["r"]) as m:
         m.save(1, {"a": 1}, metrics={"r": 5.0})
