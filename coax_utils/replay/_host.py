@@ -152,8 +152,11 @@ def _decode_structure(structure: Any, owner: str) -> Any:
         fields = {name: _encode_node(structure[name], name) for name in _STORED_FIELDS}
     except TypeError as e:
         raise ValueError(f"{owner} state: structure: {e}") from None
-    if fields["W"] != 0:
-        raise ValueError(f"{owner} state: structure: W must be one array, got {fields['W']!r}")
+    for name in ("Rn", "W"):  # the batch size and the weights are read from one array each
+        if fields[name] != 0:
+            raise ValueError(
+                f"{owner} state: structure: {name} must be one array, got {fields[name]!r}"
+            )
     return jax.tree_util.tree_structure(TransitionBatch(**fields))
 
 
@@ -313,6 +316,9 @@ class _RingStorage:
                 f"transition_batch must be a TransitionBatch, got {type(transition_batch)!r}"
             )
         try:
+            rn = jax.tree_util.tree_structure(transition_batch.Rn)
+            if rn.num_leaves != 1 or not jax.tree_util.treedef_is_leaf(rn):
+                raise TypeError  # None or a container: the batch size comes from one array
             batch_size = transition_batch.batch_size
         except (IndexError, TypeError):
             raise ValueError(

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from coax_utils import utils
 from coax_utils.replay import PrioritizedReplayBuffer, SimpleReplayBuffer, TransitionBatch
 
 BUFFERS = [SimpleReplayBuffer, PrioritizedReplayBuffer]
@@ -310,6 +311,8 @@ def _mutations(cls):
         "structure keys": lambda s: s["structure"].pop("S"),
         "structure node": lambda s: s["structure"].__setitem__("S", {1: 0}),
         "structure W": lambda s: s["structure"].__setitem__("W", None),
+        # the same leaves with Rn in a list: restored, every sample's batch_size failed
+        "structure Rn": lambda s: s["structure"].__setitem__("Rn", [0]),
         "leaves count": lambda s: s["leaves"].pop(),
         "large leaf rows": leaf(0, np.zeros((9, 24, 24), np.uint8)),
         "large leaf object": leaf(0, np.zeros(10, object)),
@@ -450,7 +453,6 @@ def test_incomplete_or_mismatched_folders_raise_value_error(cls, tmp_path):
 
 @pytest.mark.parametrize("mmap_mode", ["c", None])
 def test_a_leaf_header_claiming_a_huge_array_is_refused_before_allocating(mmap_mode, tmp_path):
-    from coax_utils import utils
 
     path = tmp_path / "buf"
     filled(SimpleReplayBuffer, n=13).save(path)
@@ -496,3 +498,16 @@ def test_interrupted_saves_are_recovered(tmp_path):
     old.save(path)  # rolls the interrupted swap forward, then saves; leftovers removed
     assert sorted(os.listdir(tmp_path)) == ["buf"]
     assert contents(SimpleReplayBuffer.load(path)) == contents(old)
+
+
+@pytest.mark.parametrize("cls", BUFFERS)
+def test_add_refuses_returns_that_are_not_one_array(cls):
+    # Rn in a tuple was taken as a batch of one (its leading axis), and samples of the
+    # stored tuple then had the wrong batch size
+    buffer = filled(cls)
+    before = utils.dumps(buffer)
+    good = batch([1, 2])
+    for rn in ((good.Rn,), [good.Rn], {"r": good.Rn}, None):
+        with pytest.raises(ValueError, match="Rn"):
+            buffer.add(good.replace(Rn=rn))
+    assert utils.dumps(buffer) == before
