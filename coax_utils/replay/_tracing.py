@@ -6,6 +6,7 @@ import abc
 from collections import deque
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from coax_utils._checks import check_int, check_state_keys
@@ -24,10 +25,23 @@ class InsufficientCacheError(IndexError):
     """Raised when popping or flushing a tracer that has no complete transition yet."""
 
 
-def _check_finite(name: str, value: Any) -> None:
-    """``value`` must be one finite real number (Python, NumPy or a 0-d array)."""
+def _real(value: Any) -> np.ndarray | None:
+    """``value`` as a NumPy array of bools or real numbers (bfloat16 and the other ml_dtypes
+    types, whose NumPy kind is "V", as float32 or int32), or None if it holds none."""
     arr = np.asarray(value)
-    if arr.dtype.kind not in "biuf":
+    if arr.dtype.kind in "biuf":
+        return arr
+    if jnp.issubdtype(arr.dtype, jnp.floating):
+        return arr.astype(np.float32)
+    if jnp.issubdtype(arr.dtype, jnp.integer):
+        return arr.astype(np.int32)
+    return None
+
+
+def _check_finite(name: str, value: Any) -> None:
+    """``value`` must be one finite real number (Python, NumPy, JAX or a 0-d array)."""
+    arr = _real(value)
+    if arr is None:
         raise TypeError(f"{name} must be a real number, got {value!r:.80}")
     if arr.ndim != 0:
         raise ValueError(f"{name} must be a single number, got an array of shape {arr.shape}")
@@ -37,8 +51,8 @@ def _check_finite(name: str, value: Any) -> None:
 
 def _check_flag(name: str, value: Any) -> bool:
     """``value`` as a bool: a bool, or a single number that is 0 or 1 (not a string)."""
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "biuf" or arr.ndim != 0 or arr not in (0, 1):
+    arr = _real(value)
+    if arr is None or arr.ndim != 0 or arr not in (0, 1):
         raise TypeError(f"{name} must be a bool, got {value!r:.80}")
     return bool(arr)
 

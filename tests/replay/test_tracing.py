@@ -314,3 +314,19 @@ def test_restored_steps_must_hold_single_numbers():
         with pytest.raises((ValueError, TypeError)):
             NStep.__checkpoint_restore__(state)
             pytest.fail(f"accepted {state}")
+
+
+@pytest.mark.parametrize("cls", [NStep, MonteCarlo])
+def test_bfloat16_rewards_and_flags_are_accepted(cls):
+    import jax.numpy as jnp
+
+    tracer = NStep(1, 0.9) if cls is NStep else MonteCarlo(0.9)
+    tracer.add(0, 0, jnp.bfloat16(1.5), jnp.asarray(0, jnp.bfloat16), logp=jnp.bfloat16(-1))
+    tracer.add(1, 0, np.asarray(2.0, jnp.bfloat16), True)
+    batch = tracer.flush()
+    expected = [2.0, 1.5 + 0.9 * 2.0] if cls is MonteCarlo else [1.5, 2.0]
+    np.testing.assert_allclose(sorted(batch.Rn.tolist()), sorted(expected), rtol=1e-6)
+    with pytest.raises(ValueError, match="finite"):
+        tracer.add(0, 0, jnp.asarray(np.nan, jnp.bfloat16), False)
+    with pytest.raises(TypeError, match="bool"):
+        tracer.add(0, 0, 1.0, jnp.asarray(0.5, jnp.bfloat16))
