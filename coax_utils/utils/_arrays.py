@@ -59,10 +59,14 @@ def _random_tie_break(rng, arr, axis, find_max):
 
 
 def _tie_break(rng, arr, axis, find_max):
-    xp = jnp if isinstance(arr, jax.Array) else np
-    arr = xp.asarray(arr)
-    if not (arr.dtype == bool or xp.issubdtype(arr.dtype, xp.number)):
+    if not isinstance(arr, jax.Array):
+        arr = np.asarray(arr)
+    if not (arr.dtype == bool or jnp.issubdtype(arr.dtype, jnp.number)):
         raise TypeError(f"arr must hold numbers or booleans, got dtype {arr.dtype}")
+    # NumPy's own dtypes are compared by NumPy; JAX arrays and NumPy arrays of the ml_dtypes
+    # types (bfloat16, ...; JAX holds them exactly, NumPy's issubdtype does not know them) by JAX
+    xp = np if isinstance(arr, np.ndarray) and arr.dtype.kind in "biufc" else jnp
+    arr = xp.asarray(arr)
     if axis is None:
         arr = xp.ravel(arr)
         axis = 0
@@ -389,9 +393,10 @@ def double_relu(arr: Any) -> jax.Array:
     arr = jnp.asarray(arr)
     if arr.ndim < 1:
         raise ValueError(f"arr must have at least one axis, got shape {arr.shape}")
-    # min/max with zero, not -relu(-arr): negation wraps for unsigned ints and for int8 -128
+    # no -relu(-arr): negation wraps for unsigned ints and for int8 -128. As relu, NaN stays
+    # NaN and the gradient at 0 is 0 (jnp.minimum/maximum would give 0.5 to each half)
     zero = jnp.zeros((), arr.dtype)
-    return jnp.concatenate((jnp.minimum(arr, zero), jnp.maximum(arr, zero)), axis=-1)
+    return jnp.concatenate((jnp.where(arr >= 0, zero, arr), jnp.where(arr <= 0, zero, arr)), -1)
 
 
 def diff_transform_matrix(num_frames: int, dtype: Any = "float32") -> jax.Array:

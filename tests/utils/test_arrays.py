@@ -342,3 +342,21 @@ def test_diff_transform_matrix_refuses_a_dtype_that_cannot_hold_it(num_frames, d
 def test_diff_transform_of_int64_numpy_input_does_not_wrap():
     x = np.array([2**40, 2**40 + 2**20])
     np.testing.assert_allclose(utils.diff_transform(x), [2.0**20, 2.0**40 + 2**20], rtol=1e-6)
+
+
+def test_argmax_argmin_accept_numpy_bfloat16_with_nan_and_ties():
+    x = np.array([1.0, 3.0, 3.0, -2.0], dtype=jnp.bfloat16)
+    y = np.array([1.0, np.nan, -2.0], dtype=jnp.bfloat16)
+    seen = set()
+    for key in _keys(16):
+        seen.add(int(utils.argmax(key, x)))
+        assert int(utils.argmin(key, x)) == 3
+        assert int(utils.argmax(key, y)) == int(utils.argmin(key, y)) == 1  # NaN wins
+    assert seen == {1, 2}
+
+
+def test_double_relu_gradient_at_zero_is_that_of_relu():
+    grad = jax.grad(lambda x: utils.double_relu(x).sum())(jnp.array([0.0, 2.0, -3.0]))
+    np.testing.assert_array_equal(grad, [0.0, 1.0, 1.0])
+    out = utils.double_relu(jnp.array([np.nan, -1.0]))
+    np.testing.assert_array_equal(out, [np.nan, -1.0, np.nan, 0.0])  # NaN stays NaN, as relu
