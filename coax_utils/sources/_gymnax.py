@@ -76,7 +76,8 @@ class GymnaxSource:
     ``new_episode`` is True on an episode's first step. When an episode ends the
     environment is reset with ``env.reset``; after ``steps_per_epoch`` steps the epoch
     ends and a fresh episode starts: the epoch's last transition is marked ``truncated``
-    (and ``done``), as the episode it cuts ends there for whoever reads the stream.
+    (and ``done``) unless it is ``terminated``, as the episode it cuts ends there for whoever
+    reads the stream.
     ``env.reset`` runs under :func:`jax.lax.cond`, only when needed, so host-backed
     environments see no extra resets. The mask of every item is a scalar ``True``.
 
@@ -254,8 +255,10 @@ class GymnaxSource:
         epoch_ends = step >= self._steps_per_epoch
         # the epoch's last step cuts its episode (the next item starts a fresh one): it is
         # a truncation, so n-step returns and episode boundaries never run across epochs
-        *head, truncated, info = step_out
-        step_out = (*head, jnp.logical_or(truncated, epoch_ends), info)
+        # (unless the episode terminated there: a terminal step is not also truncated)
+        *head, terminated, truncated, info = step_out
+        cut = jnp.logical_and(epoch_ends, jnp.logical_not(jnp.asarray(terminated, jnp.bool_)))
+        step_out = (*head, terminated, jnp.logical_or(truncated, cut), info)
         transition = self._transition(state.obs, action, step_out)
         next_obs, next_env_state = step_out[0], step_out[1]
         done = jnp.reshape(jnp.asarray(transition["done"], jnp.bool_), ())

@@ -335,3 +335,15 @@ def test_real_gymnax_cartpole_keeps_the_terminal_next_state():
     # within an episode, next_state is the next step's state
     cont = ~items["done"][:-1]
     np.testing.assert_array_equal(items["next_state"][:-1][cont], items["state"][1:][cont])
+
+
+def test_an_episode_that_terminates_at_the_epoch_end_is_not_also_truncated():
+    params = {"goal": jnp.int32(2), "max_steps": jnp.int32(100)}
+    source = GymnaxSource(Chain(True), params, policy, TEMPLATE, steps_per_epoch=3)
+    _, (items, _, _, _) = rollout(source, 300)
+    terminated, truncated = np.asarray(items["terminated"]), np.asarray(items["truncated"])
+    epoch_ends = (np.arange(300) + 1) % 3 == 0
+    assert (terminated & epoch_ends).any()  # the case under test occurs
+    assert not (terminated & truncated).any()  # as the env reports them: one or the other
+    np.testing.assert_array_equal(truncated, epoch_ends & ~terminated)
+    np.testing.assert_array_equal(np.asarray(items["done"]), terminated | epoch_ends)
