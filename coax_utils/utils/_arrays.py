@@ -26,6 +26,18 @@ __all__ = [
 ]
 
 
+def as_host_or_jax(x: Any) -> Any:
+    """``x`` as an array: a JAX array (a tracer included) stays one, an array-like that holds
+    JAX arrays (a list of traced values under :func:`jax.jit`) becomes one, and anything else
+    becomes a NumPy array in its own dtype (64-bit values stay exact when JAX runs in 32 bits).
+    """
+    if isinstance(x, jax.Array):
+        return x
+    if any(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(x)):
+        return jnp.asarray(x)
+    return np.asarray(x)
+
+
 def _normalize_axis(axis: Any, ndim: int, name: str = "axis") -> int:
     if not is_int(axis):
         raise TypeError(f"{name} must be an int or None, got {axis!r}")
@@ -59,8 +71,7 @@ def _random_tie_break(rng, arr, axis, find_max):
 
 
 def _tie_break(rng, arr, axis, find_max):
-    if not isinstance(arr, jax.Array):
-        arr = np.asarray(arr)
+    arr = as_host_or_jax(arr)
     if not (arr.dtype == bool or jnp.issubdtype(arr.dtype, jnp.number)):
         raise TypeError(f"arr must hold numbers or booleans, got dtype {arr.dtype}")
     # NumPy's own dtypes are compared by NumPy; JAX arrays and NumPy arrays of the ml_dtypes
@@ -495,8 +506,7 @@ def diff_transform(X: Any, dtype: Any = "float32") -> jax.Array:
     >>> diff_transform(jnp.array([1.0, 4.0, 9.0]))  # x_t = t**2 at t = 1, 2, 3
     Array([2., 5., 9.], dtype=float32)
     """
-    if not isinstance(X, jax.Array):
-        X = np.asarray(X)  # cast once, below: int64 -> int32 -> float would wrap large values
+    X = as_host_or_jax(X)  # cast once, below: int64 -> int32 -> float would wrap large values
     if X.ndim < 1:
         raise ValueError(f"X must have a frame-stack axis (ndim >= 1), got shape {X.shape}")
     M = diff_transform_matrix(num_frames=X.shape[-1], dtype=dtype)

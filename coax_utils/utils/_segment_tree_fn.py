@@ -21,6 +21,7 @@ import numpy as np
 from coax_utils._checks import check_choice, check_int, checked_indices, is_int
 from coax_utils._dataclass import pytree_dataclass, static_field
 from coax_utils._random import random_uniform
+from coax_utils.utils._arrays import as_host_or_jax
 
 __all__ = [
     "SUM_TREE_STRATEGIES",
@@ -286,7 +287,7 @@ def _clipped_bound(x: Any, capacity: int, name: str) -> jax.Array:
     """
     if is_int(x):
         return jnp.asarray(min(max(int(x), 0), capacity), jnp.int32)
-    x = x if isinstance(x, (jax.Array, jax.core.Tracer)) else np.asarray(x)
+    x = as_host_or_jax(x)
     if not (jnp.issubdtype(x.dtype, jnp.integer) and x.dtype != jnp.bool_):
         raise TypeError(f"{name} must be integers, got dtype {x.dtype}: {x!r}")
     xp = np if isinstance(x, np.ndarray) else jnp

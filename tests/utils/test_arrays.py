@@ -360,3 +360,11 @@ def test_double_relu_gradient_at_zero_is_that_of_relu():
     np.testing.assert_array_equal(grad, [0.0, 1.0, 1.0])
     out = utils.double_relu(jnp.array([np.nan, -1.0]))
     np.testing.assert_array_equal(out, [np.nan, -1.0, np.nan, 0.0])  # NaN stays NaN, as relu
+
+
+def test_lists_of_traced_values_are_taken_under_jit():
+    key = jax.random.PRNGKey(0)
+    pick = jax.jit(lambda a, b: (utils.argmax(key, [a, b]), utils.argmin(key, [a, b])))
+    assert [int(i) for i in pick(jnp.float32(1), jnp.float32(2))] == [1, 0]
+    diff = jax.jit(lambda a: utils.diff_transform([a, a + 1, a + 3]))
+    np.testing.assert_array_equal(diff(jnp.float32(1)), [1.0, 2.0, 4.0])

@@ -444,3 +444,9 @@ def test_inverse_cdf_never_returns_a_zero_slot():
     state = sum_tree_set(state, jnp.array([2]), jnp.array([np.nan]))
     u = jnp.array([0.0, 0.3, 1.0, np.nan])
     assert sum_tree_inverse_cdf(state, u).tolist() == [1, 1, 1, 1]
+
+
+def test_sum_tree_reduce_takes_lists_of_traced_bounds_under_jit():
+    state = sum_tree_set(sum_tree_init(4), jnp.arange(4), jnp.arange(1.0, 5.0))
+    reduce = jax.jit(lambda a: sum_tree_reduce(state, [a, a + 1], [a + 2, a + 4]))
+    np.testing.assert_array_equal(reduce(jnp.int32(0)), [3.0, 9.0])
