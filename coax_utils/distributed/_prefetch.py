@@ -119,7 +119,10 @@ class PrefetchingSampler:
         self._check_open()
         f.raise_update_error()
         with f.cond:
-            f.cond.wait_for(lambda: f.ready or not f.thread.is_alive())
+            # close() from another thread wakes this wait (the thread then ends unheard)
+            f.cond.wait_for(lambda: f.ready or f.closed or not f.thread.is_alive())
+            if f.closed:
+                raise RuntimeError("the PrefetchingSampler was closed while sample waited")
             if not f.ready:
                 raise RuntimeError("the PrefetchingSampler's background thread stopped")
             batch, error = f.ready.popleft()

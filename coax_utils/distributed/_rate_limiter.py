@@ -69,7 +69,8 @@ class RateLimiter(RemoteClass):
     - a **sample** of ``n`` waits while :math:`I < m`, or while
       :math:`r\,I - (S + n) < d_\min` (sampling ran ahead of the ratio);
     - an **insert** of ``n`` waits while :math:`I + n > m` and
-      :math:`r\,(I + n) - S > d_\max` (inserting ran ahead of the ratio).
+      :math:`r\,(I + n) - S > d_\max` (inserting ran ahead of the ratio), where :math:`I`
+      also counts the inserts reserved (:meth:`reserve_inserts`) and not yet confirmed.
 
     So, once ``min_size_to_sample`` transitions are in, :math:`r\,I - S` stays within
     :math:`r\,m \pm e`: over a run the measured samples per insert :math:`S / I` tends to

@@ -23,7 +23,7 @@ __all__ = ["PendingReply", "ReplayShardError", "ShardedReplay"]
 _MANIFEST = "sharded_replay.json"
 _MANIFEST_VERSION = 3
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_SHARD_FILE = re.compile(r"shard-(\d+)-[0-9a-f]{32}\.lz4")  # shard-<i>-<save token>.lz4
+_SHARD_FILE = re.compile(r"shard-([0-9]+)-[0-9a-f]{32}\.lz4")  # shard-<i>-<save token>.lz4
 
 
 class ReplayShardError(RuntimeError):
@@ -762,12 +762,15 @@ class ShardedReplay:
             "files",
             "sha256",
         }
+        if isinstance(manifest, dict) and manifest.get("format", _MANIFEST_VERSION) != (
+            _MANIFEST_VERSION
+        ):
+            raise ValueError(
+                f"{path!r} has format {manifest['format']!r}, expected {_MANIFEST_VERSION} "
+                "(a checkpoint of another version of this package)"
+            )
         if not isinstance(manifest, dict) or set(manifest) != keys:
             raise ValueError(f"{path!r} is not a ShardedReplay manifest (keys {sorted(keys)})")
-        if manifest["format"] != _MANIFEST_VERSION:
-            raise ValueError(
-                f"{path!r} has format {manifest['format']!r}, expected {_MANIFEST_VERSION}"
-            )
         if manifest["num_shards"] != self.num_shards:
             raise ValueError(
                 f"{folder!r} holds {manifest['num_shards']!r} shards, this replay has "

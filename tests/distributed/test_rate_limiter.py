@@ -185,3 +185,32 @@ def test_a_killed_limiter_is_named_on_the_next_sample_and_add(ray_cluster):
         replay.add(make_batch(0, 32, 4))
     assert time.monotonic() - tic < 30.0  # no hang
     assert ray.get(replay.shards[0].totals.remote())["size"] == 16  # the shard is alive
+
+
+def test_closing_a_prefetching_sampler_wakes_a_sample_waiting_in_another_thread(ray_cluster):
+    # the samples wait at the limiter (too few inserts): close() from another thread used to
+    # end the background thread without waking the waiting sample(), which hung forever
+    import threading
+
+    from coax_utils.distributed import PrefetchingSampler
+
+    limiter = RateLimiter.remote(min_size_to_sample=100, samples_per_insert=1.0, error_buffer=64.0)
+    replay = ShardedReplay([SimpleReplayBuffer(50)], rate_limiter=limiter, timeout=60.0)
+    replay.add(make_batch(0, 0, 4))
+    sampler = PrefetchingSampler(replay, 4, num_in_flight=1, timeout=None)
+    outcome = []
+
+    def wait_for_a_batch():
+        try:
+            sampler.sample()
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait_for_a_batch, daemon=True)
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive() and not outcome  # waiting for a batch that cannot come yet
+    sampler.close()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    assert len(outcome) == 1 and "closed" in str(outcome[0])

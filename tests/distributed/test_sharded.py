@@ -314,6 +314,7 @@ def test_save_and_restore_all_shards_continue_the_rng_streams(ray_cluster, tmp_p
         ("hint", [10**400, 1.0]),
         ("rng", dict(manifest["rng"], state={"state": 10**400, "inc": 1})),
         ("rng", dict(manifest["rng"], state={"state": -1, "inc": 1})),
+        ("format", 2),  # a checkpoint of an older version: named as such
     ]
     for i, (key, value) in enumerate(lies):
         bad = tmp_path / f"bad{i}"
@@ -325,7 +326,8 @@ def test_save_and_restore_all_shards_continue_the_rng_streams(ray_cluster, tmp_p
                 min_size_to_sample=4, samples_per_insert=100.0, error_buffer=1e6
             ),
         )
-        with pytest.raises(ValueError, match={"hint": "hint", "rng": "RNG state"}[key]):
+        match = {"hint": "hint", "rng": "RNG state", "format": "another version"}[key]
+        with pytest.raises(ValueError, match=match):
             fresh.restore(bad)
         assert fresh.size() == 0
 
