@@ -7,7 +7,6 @@ import os
 import re
 import secrets
 import shutil
-import stat
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +16,7 @@ import numpy as np
 
 from coax_utils import utils
 from coax_utils._checks import check_float, check_int, check_state_keys, checked_dtype, is_int
+from coax_utils._files import open_regular_file
 from coax_utils._numpy_random import bit_generator_from_state
 from coax_utils.replay._sequence import SequenceSample
 from coax_utils.replay._transition import TransitionBatch
@@ -202,31 +202,42 @@ def _interrupted_swap(target: str) -> str | None:
     return staged[tokens[-1]] if tokens else None
 
 
-def _is_regular_file(path: str) -> bool:
-    """Whether ``path`` is a regular file itself (not a link, FIFO or device, which
-    :meth:`save` never writes; reading a FIFO would block forever)."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
 def _is_saved_folder(path: str) -> bool:
     names = os.listdir(path)
     return all(n == _META or re.fullmatch(r"leaf_\d+\.npy", n) for n in names)
 
 
-def _npy_header(path: str) -> tuple[tuple[int, ...], np.dtype, int, int]:
-    """``(shape, dtype, data offset, file size)`` of a ``.npy`` file, from its header alone."""
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version == (2, 0):
-            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
-            raise ValueError(f"unsupported .npy format version {version}")
-        return shape, dtype, f.tell(), os.fstat(f.fileno()).st_size
+def _read_npy(path: str, dtype: np.dtype, shape: list, mmap_mode: str | None) -> np.ndarray:
+    """The array of a ``.npy`` file that must hold ``dtype`` and ``shape``, opened once.
+
+    The file must be a regular file, not a link; its header is checked against ``dtype``
+    and ``shape``, and its size against the array's bytes, before anything is allocated or
+    mapped (``np.load`` would allocate whatever a forged header claims).
+    """
+    with open_regular_file(path, follow_links=False) as (fd, size):
+        with open(fd, "rb", closefd=False) as f:
+            version = np.lib.format.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"unsupported .npy format version {version}")
+            read = {
+                (1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0,
+            }[version]
+            got_shape, fortran, got_dtype = read(f)
+            if got_dtype != dtype or list(got_shape) != shape:
+                raise ValueError(
+                    f"it holds {got_dtype}{list(got_shape)}, the metadata says {dtype}{shape}"
+                )
+            start, nbytes = f.tell(), dtype.itemsize * math.prod(shape)
+            if size < start + nbytes:
+                raise ValueError(f"it is shorter than the {nbytes} bytes of its array")
+            order = "F" if fortran else "C"
+            if mmap_mode is not None and nbytes:
+                return np.memmap(f, dtype, mmap_mode, start, tuple(shape), order)
+            arr = np.empty(shape, dtype, order=order)
+            if nbytes and f.readinto(arr.reshape(-1, order="A").view(np.uint8)) != nbytes:
+                raise ValueError(f"it is shorter than the {nbytes} bytes of its array")
+            return arr
 
 
 def _write_npy(path: str, arr: np.ndarray) -> None:
@@ -1001,8 +1012,8 @@ class _RingStorage:
 
         if not os.path.lexists(meta_path):
             raise bad(f"{_META} is missing (an incomplete save)")
-        if not _is_regular_file(meta_path):
-            raise bad(f"{_META} is not a regular file")
+        if os.path.islink(meta_path):  # (utils.load refuses FIFOs, folders and devices)
+            raise bad(f"{_META} is a link, not a regular file")
         try:
             record = utils.load(meta_path, safe=True)
         except (ValueError, TypeError, OSError, EOFError) as e:
@@ -1055,25 +1066,9 @@ class _RingStorage:
         dtype, shape = entry.get("dtype"), entry.get("shape")
         if not (isinstance(dtype, str) and isinstance(shape, list)):
             raise bad(f"{entry['file']}: dtype and shape must be recorded")
-        if not _is_regular_file(path):
-            raise bad(f"{entry['file']} is not a regular file")
         try:
             np_dtype = checked_dtype(dtype, "dtype")
-            got_shape, got_dtype, data_start, size = _npy_header(path)
-        except (TypeError, ValueError, OSError, EOFError) as e:
-            raise bad(f"{entry['file']} cannot be read ({e})") from None
-        # checked before np.load, which allocates what the header claims
-        if got_dtype != np_dtype or list(got_shape) != shape:
-            raise bad(
-                f"{entry['file']} holds {got_dtype}{list(got_shape)}, the metadata says "
-                f"{dtype}{shape}"
-            )
-        nbytes = np_dtype.itemsize * math.prod(got_shape)
-        if size < data_start + nbytes:
-            raise bad(f"{entry['file']} is shorter than the {nbytes} bytes of its array")
-        try:
-            mode = None if nbytes == 0 else mmap_mode
-            return np.load(path, mmap_mode=mode, allow_pickle=False)
+            return _read_npy(path, np_dtype, shape, mmap_mode)
         except (TypeError, ValueError, OSError, EOFError) as e:
             raise bad(f"{entry['file']} cannot be read ({e})") from None
 

@@ -28,6 +28,7 @@ import cloudpickle
 import jax
 import numpy as np
 
+from coax_utils._files import open_regular_file
 from coax_utils._version import __version__
 from coax_utils.utils._ckpt_container import (
     RAW,
@@ -41,7 +42,7 @@ from coax_utils.utils._ckpt_container import (
     read_segments,
     write_container,
 )
-from coax_utils.utils._ckpt_files import as_path, atomic_write, open_regular_file
+from coax_utils.utils._ckpt_files import as_path, atomic_write
 from coax_utils.utils._ckpt_tree import (
     SMALL,
     Decoder,

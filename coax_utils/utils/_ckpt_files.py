@@ -13,10 +13,10 @@ import re
 import secrets
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["as_path", "atomic_write", "fsync_dir", "open_regular_file"]
+__all__ = ["as_path", "atomic_write", "fsync_dir"]
 
 _TEMP = re.compile(r"\.coax_utils-([0-9]+)-[0-9a-f]{12}\.tmp\Z")
 _umask_lock = threading.Lock()
@@ -354,22 +354,3 @@ def _set_direct(fd: int, on: bool) -> None:
 
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
-
-
-@contextlib.contextmanager
-def open_regular_file(path: str) -> Iterator[tuple[int, int]]:
-    """Open a file for reading; ValueError at once for a FIFO, a folder or a device.
-
-    Yields the file descriptor and the file's size.
-    """
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
-    fd = os.open(path, flags)  # O_NONBLOCK: opening a FIFO does not wait for a writer
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path!r} is not a regular file; a checkpoint is a regular file")
-        if hasattr(os, "O_NONBLOCK"):
-            os.set_blocking(fd, True)
-        yield fd, st.st_size
-    finally:
-        os.close(fd)
