@@ -7,7 +7,8 @@
    ``next_of`` and ``stack_compress`` (same capacity, same stream);
 3. adding one step: FrameStackReplayBuffer.add vs cpprb's add (both full, overwriting);
 4. jitted sampling from make_frame_stack_buffer vs ``jnp.take`` of the same stacks from a
-   dense ``(N, k, 84, 84)`` array;
+   dense ``(N, k, 84, 84)`` array, and vs make_uniform_buffer holding the same transitions
+   with dense stacks (a sample that also returns the other fields);
 5. jitted prioritized sampling and update from make_prioritized_frame_stack_buffer vs
    make_prioritized_buffer holding the same transitions with dense stacks.
 
@@ -220,7 +221,7 @@ def jitted(capacity: int, reps: int, rep_seconds: float) -> None:
     import jax
     import jax.numpy as jnp
 
-    from coax_utils.replay import make_frame_stack_buffer
+    from coax_utils.replay import make_frame_stack_buffer, make_uniform_buffer
 
     episode = 1000
     frames, starts = frame_stream(capacity + 1, episode, seed=2)
@@ -239,6 +240,13 @@ def jitted(capacity: int, reps: int, rep_seconds: float) -> None:
     dense = jnp.asarray(frames[idx[rows]])  # (N, k, 84, 84): S of every transition
     dense_next = jnp.asarray(frames[idx[rows + 1]])  # and S_next
     sample = jax.jit(buf.sample, static_argnums=2)
+    # the same transitions, stacks stored whole, in a plain jittable buffer
+    plain = make_uniform_buffer(len(rows))
+    plain_state = plain.init(jax.tree_util.tree_map(lambda x: x[0], numbered(0, 1)))
+    plain_add = jax.jit(plain.add, donate_argnums=0)
+    for lo in range(0, len(rows), 1000):
+        plain_state = plain_add(plain_state, numbered(lo, lo + 1000))
+    plain_sample = jax.jit(plain.sample, static_argnums=2)
 
     @jax.jit
     def take(d, d_next, key):
@@ -250,6 +258,9 @@ def jitted(capacity: int, reps: int, rep_seconds: float) -> None:
     t = rows[np.asarray(s.Rn).astype(np.int64)]  # Rn holds each transition's row
     assert np.array_equal(np.asarray(s.S), frames[idx[t]])
     assert np.array_equal(np.asarray(s.S_next), frames[idx[t + 1]])
+    p = plain_sample(plain_state, key, 32)
+    t = rows[np.asarray(p.Rn).astype(np.int64)]
+    assert np.array_equal(np.asarray(p.S), frames[idx[t]])
     keys = iter(jax.random.split(key, 10**6))
     times = round_robin(
         {
@@ -258,6 +269,9 @@ def jitted(capacity: int, reps: int, rep_seconds: float) -> None:
             ),
             "jnp.take from dense (N,k,84,84) x2": lambda: jax.block_until_ready(
                 take(dense, dense_next, next(keys))
+            ),
+            "make_uniform_buffer, dense stacks": lambda: jax.block_until_ready(
+                plain_sample(plain_state, next(keys), 32)
             ),
         },
         reps,
@@ -293,12 +307,25 @@ def jitted(capacity: int, reps: int, rep_seconds: float) -> None:
 
         return jax.lax.scan(draw, carry, jax.random.split(key, steps))[0]
 
-    last = many_samples(state, key)  # the batch of the last key
-    s = sample(state, jax.random.split(key, steps)[-1], 32)
-    assert all(
-        np.array_equal(x, y)
-        for x, y in zip(jax.tree_util.tree_leaves(last), jax.tree_util.tree_leaves(s))
-    )
+    @jax.jit
+    def many_plain(plain_state, key):
+        first = jax.eval_shape(lambda s, k: plain.sample(s, k, 32), plain_state, key)
+        carry = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), first)
+
+        def draw(_, k):
+            return plain.sample(plain_state, k, 32), None
+
+        return jax.lax.scan(draw, carry, jax.random.split(key, steps))[0]
+
+    last_key = jax.random.split(key, steps)[-1]
+    for last, s in [  # the batch of the last key
+        (many_samples(state, key), sample(state, last_key, 32)),
+        (many_plain(plain_state, key), plain_sample(plain_state, last_key, 32)),
+    ]:
+        assert all(
+            np.array_equal(x, y)
+            for x, y in zip(jax.tree_util.tree_leaves(last), jax.tree_util.tree_leaves(s))
+        )
     times = round_robin(
         {
             "make_frame_stack_buffer sample": lambda: jax.block_until_ready(
@@ -306,6 +333,9 @@ def jitted(capacity: int, reps: int, rep_seconds: float) -> None:
             ),
             "jnp.take from dense (N,k,84,84) x2": lambda: jax.block_until_ready(
                 many_takes(dense, dense_next, next(keys))
+            ),
+            "make_uniform_buffer, dense stacks": lambda: jax.block_until_ready(
+                many_plain(plain_state, next(keys))
             ),
         },
         reps,
