@@ -234,7 +234,8 @@ def default_preprocessor(space: gymnasium.Space) -> Callable[[jax.Array, Any], A
     ``space`` to arrays with a leading batch axis:
 
     - Box: ``X`` as the box's (JAX) dtype, reshaped to ``(-1, *shape)`` and clipped to the
-      bounds;
+      bounds (integer bounds beyond that dtype's range, e.g. int64 bounds without x64, are
+      clipped into it);
     - Discrete: one-hot encoding of ``X - start``, shape ``(-1, n)``;
     - MultiDiscrete: a list with the one-hot encoding of each entry (flattened order);
     - MultiBinary: float32, shape ``(-1, *shape)``;
@@ -277,8 +278,13 @@ def default_preprocessor(space: gymnasium.Space) -> Callable[[jax.Array, Any], A
 
     elif isinstance(space, s.Box):
         dtype = jax.dtypes.canonicalize_dtype(space.dtype)
-        low = np.asarray(space.low, dtype)
-        high = np.asarray(space.high, dtype)
+        low, high = space.low, space.high
+        if np.issubdtype(dtype, np.integer):
+            # without x64, int64 bounds become int32: clip them into its range first, as a
+            # plain cast wraps them around (iinfo(int64).max -> -1)
+            info = np.iinfo(dtype)
+            low, high = np.clip(low, info.min, info.max), np.clip(high, info.min, info.max)
+        low, high = np.asarray(low, dtype), np.asarray(high, dtype)
 
         def func(rng: jax.Array, X: Any) -> jax.Array:
             X = jnp.reshape(jnp.asarray(X, dtype), (-1, *space.shape))

@@ -273,3 +273,15 @@ def test_make_dmc_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "dm_control", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install coax_utils\[dmc\]"):
         utils.make_dmc("cartpole", "swingup")
+
+
+def test_box_preprocessor_keeps_wide_integer_bounds_without_x64():
+    # int64 bounds do not fit the int32 that JAX uses without x64: cast as they are they
+    # wrapped around (iinfo(int64) -> 0 and -1), and every value was clipped to garbage
+    key = jax.random.key(0)
+    unbounded = gs.Box(-np.inf, np.inf, (3,), np.int64)  # gymnasium: iinfo(int64) bounds
+    f = utils.default_preprocessor(unbounded)
+    np.testing.assert_array_equal(f(key, np.array([1, -2, 3])), [[1, -2, 3]])
+    wide = utils.default_preprocessor(gs.Box(-5, 2**40, (2,), np.int64))
+    np.testing.assert_array_equal(wide(key, np.array([-7, 2**20])), [[-5, 2**20]])
+    np.testing.assert_array_equal(jax.jit(wide)(key, np.array([4, 0])), [[4, 0]])
