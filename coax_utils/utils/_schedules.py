@@ -34,6 +34,7 @@ class StepwiseLinearFunction:
     *steps : pairs (number, float)
         Each step ``(timestep, value)`` fixes the output at ``timestep`` to ``value``. The
         timesteps must be strictly increasing. A single step gives a constant function.
+        NumPy scalars are stored as Python ints and floats (see the ``steps`` attribute).
 
     Raises
     ------
@@ -71,9 +72,11 @@ class StepwiseLinearFunction:
                     raise TypeError(f"{name} must be a real number, got {x!r} in step {step!r}")
                 if not np.isfinite(x):
                     raise ValueError(f"{name} must be finite, got {x!r} in step {step!r}")
-            ts.append(t)
+            # Python numbers from here on: NumPy scalars would bring their own arithmetic
+            # (int64 wraparound, float32 rounding) into the interpolation
+            ts.append(int(t) if isinstance(t, numbers.Integral) else float(t))
             vs.append(float(v))
-        for (t1, _), (t2, _) in zip(steps, steps[1:]):
+        for t1, t2 in zip(ts, ts[1:]):
             if not t1 < t2:
                 raise ValueError(
                     f"timesteps must be strictly increasing, got {t1!r} followed by {t2!r} in "

@@ -181,3 +181,17 @@ def test_checkpoint_round_trip_and_validation():
     ]:
         with pytest.raises(error):
             StepwiseLinearFunction.__checkpoint_restore__(bad)
+
+
+def test_numpy_scalar_steps_compute_like_python_numbers():
+    # NumPy scalars as steps were kept as they are: int64 arithmetic on them wrapped around
+    # (a 0 -> 1 schedule gave -4.6e18 at its midpoint) and float32 ones lost precision
+    lo, hi = -(2**63) + 1, 2**63 - 1
+    f = StepwiseLinearFunction((np.int64(lo), 0.0), (np.int64(hi), 1.0))
+    assert f(0) == pytest.approx(0.5)
+    assert f(np.int64(0)) == pytest.approx(0.5)
+    np.testing.assert_allclose(f(np.array([0], np.int64)), [0.5])
+    g = StepwiseLinearFunction((np.float32(0.25), 0.0), (np.float32(0.75), 1.0))
+    assert g(0.5) == 0.5 and isinstance(g(0.5), float)
+    assert all(type(t) in (int, float) for t, _ in f.steps + g.steps)
+    assert StepwiseLinearFunction((np.int32(3), np.float32(0.5))).steps == ((3, 0.5),)
