@@ -36,6 +36,17 @@ def _rebuild(func_or_payload: Any, by_value: bool, options: dict[str, Any]) -> J
     return JittedFunc(func_or_payload, **options)
 
 
+def _as_tuple(option: Any, single: type) -> Any:
+    """A jit option as a tuple (a single ``int``/``str`` becomes a 1-tuple); anything else
+    that is not iterable is passed on as it is, for :func:`jax.jit` to refuse."""
+    if isinstance(option, single):
+        return (option,)
+    try:
+        return tuple(option)
+    except TypeError:
+        return option
+
+
 class JittedFunc(functools.partial):
     """A :func:`jax.jit`-compiled function that can be pickled; made by :func:`jit`.
 
@@ -56,11 +67,13 @@ class JittedFunc(functools.partial):
     ) -> JittedFunc:
         if not callable(func):
             raise TypeError(f"func must be callable, got {type(func).__name__}")
+        # frozen as tuples: the pickled options must be the ones jax.jit was given, even if
+        # the caller's list changes later (and a generator is read only once)
         options = {
-            "static_argnums": static_argnums,
-            "donate_argnums": donate_argnums,
-            "static_argnames": static_argnames,
-            "donate_argnames": donate_argnames,
+            "static_argnums": _as_tuple(static_argnums, int),
+            "donate_argnums": _as_tuple(donate_argnums, int),
+            "static_argnames": _as_tuple(static_argnames, str),
+            "donate_argnames": _as_tuple(donate_argnames, str),
         }
         self = super().__new__(cls, jax.jit(func, **options))
         self._fun = func

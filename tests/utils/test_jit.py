@@ -205,3 +205,19 @@ def test_pickle_functions_defined_in_main_across_processes(tmp_path):
     lines = out.stdout.strip().splitlines()
     expected = "shift Shift by a global offset, n times. 21.0 square 9.0 22.0 8.0 6.0"
     assert lines == [f"pkl {expected}", f"pkl {expected}"], out.stdout + out.stderr
+
+
+def test_pickle_keeps_the_options_the_function_was_made_with():
+    # the option sequences were stored as given: a list changed after the call changed what
+    # the unpickled function treated as static (and a generator could not be pickled)
+    nums, names = [1], ["power"]
+    f = utils.jit(affine, static_argnums=nums, static_argnames=names)
+    nums.append(0)
+    names.append("b")
+    for dumps in (pickle.dumps, cloudpickle.dumps):
+        g = pickle.loads(dumps(f))
+        x = jnp.arange(3.0)
+        np.testing.assert_array_equal(g(x, 2.0, b=x, power=2), f(x, 2.0, b=x, power=2))
+    gen = utils.jit(affine, static_argnums=(i for i in [1]))
+    g = pickle.loads(pickle.dumps(gen))
+    assert float(g(jnp.float32(1.0), 3.0)) == 3.0
