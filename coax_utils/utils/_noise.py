@@ -270,8 +270,9 @@ class OrnsteinUhlenbeckNoise:
         ------
         ValueError
             If the shape of ``a`` differs from the previous call's without a :meth:`reset`,
-            or the parameters do not broadcast to it. Nothing changes then (the running
-            noise and the random stream stay as they were).
+            the parameters do not broadcast to it, or a parameter set after construction
+            (e.g. ``noise.sigma = ...``) breaks a rule of the constructor. Nothing changes
+            then (the running noise and the random stream stay as they were).
         TypeError
             If ``a`` is not a real number or array.
         """
@@ -282,6 +283,10 @@ class OrnsteinUhlenbeckNoise:
             raise TypeError(f"the action must be a real number or array, got {a!r}")
         if not np.issubdtype(a.dtype, np.floating):
             a = a.astype(np.float64)
+        # the parameters are public attributes: check them again, as they may have been set
+        # since the constructor checked them
+        params = (self.mu, self.sigma, self.theta, self.min_value, self.max_value)
+        self._param_shape = _check_params(*params)
         _check_action_shape(a.shape, self._param_shape)
         if self._noise is None:
             self._noise = np.broadcast_to(np.asarray(self.mu, a.dtype), a.shape).copy()

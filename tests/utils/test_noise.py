@@ -214,3 +214,32 @@ def test_checkpoint_restore_checks_every_field(change, error):
     change(state)
     with pytest.raises(error):
         OrnsteinUhlenbeckNoise.__checkpoint_restore__(state)
+
+
+def test_parameters_set_after_construction_are_checked_on_call():
+    # attributes are public (annealing sigma is common), but a value set later was used
+    # unchecked: sigma of shape (3, 1) turned a (3,) action into a (3, 3) one, a negative
+    # sigma was used as it was
+    noise = OrnsteinUhlenbeckNoise(sigma=0.5, random_seed=0)
+    first = noise(np.zeros(3))
+    noise.sigma *= 0.5  # a valid change keeps working
+    assert noise(np.zeros(3)).shape == (3,)
+    running, before = noise._noise.copy(), noise._rng.bit_generator.state
+    for name, value, match in (
+        ("sigma", np.ones((3, 1)), r"\(3, 1\).*\(3,\)"),
+        ("mu", np.zeros(2), "broadcast"),
+        ("sigma", -1.0, "sigma"),
+        ("theta", np.nan, "theta"),
+        ("max_value", -10.0, "min_value"),
+    ):
+        old = getattr(noise, name)
+        if name == "max_value":
+            noise.min_value = 0.0
+        setattr(noise, name, value)
+        with pytest.raises(ValueError, match=match):
+            noise(np.zeros(3))
+        np.testing.assert_array_equal(noise._noise, running)
+        assert noise._rng.bit_generator.state == before
+        setattr(noise, name, old)
+        noise.min_value = None
+    assert noise(np.zeros(3)).shape == first.shape
