@@ -64,9 +64,9 @@ _HANDLER_TAG = "_coax_utils_enable_logging"
 
 def enable_logging(
     name: str | None = None,
-    level: int = logging.INFO,
+    level: int | str = logging.INFO,
     output_filepath: str | os.PathLike[str] | None = None,
-    output_level: int | None = None,
+    output_level: int | str | None = None,
 ) -> None:
     r"""Enable logging output on the root logger.
 
@@ -81,14 +81,23 @@ def enable_logging(
     ----------
     name : str, optional
         Name of the process that is logging, put at the start of every line.
-    level : int, optional
-        Logging level of the stream handler. Default: ``logging.INFO`` (20); use
-        ``logging.DEBUG`` for more output.
+    level : int or str, optional
+        Logging level of the stream handler (a number or a level name such as ``"DEBUG"``).
+        Default: ``logging.INFO`` (20); use ``logging.DEBUG`` for more output.
     output_filepath : str or path, optional
         If given, a :class:`logging.FileHandler` appending to this file (folders are created)
         is added to the root logger as well.
-    output_level : int, optional
+    output_level : int or str, optional
         Logging level of the file handler. Default: ``level``.
+
+    Raises
+    ------
+    TypeError
+        If a level is neither an int nor a str.
+    ValueError
+        If a level name is unknown to :mod:`logging`.
+    OSError
+        If the log file cannot be opened. A call that raises changes no logger or handler.
 
     Examples
     --------
@@ -103,9 +112,19 @@ def enable_logging(
         else (f"[{name}|%(name)s|%(levelname)s] %(message)s")
     )
     formatter = logging.Formatter(fmt)
-    file_level = level if output_level is None else output_level
+    # everything that can fail happens before the root logger is touched
+    level = _level("level", level)
+    file_level = level if output_level is None else _level("output_level", output_level)
     root = logging.getLogger()
     ours = [h for h in root.handlers if getattr(h, _HANDLER_TAG, None)]
+    handler, new_handler = None, False
+    if output_filepath is not None:
+        path = os.path.abspath(os.fspath(output_filepath))
+        handler = next((h for h in ours if getattr(h, _HANDLER_TAG) == ("file", path)), None)
+        if handler is None:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            handler, new_handler = logging.FileHandler(path), True
+            setattr(handler, _HANDLER_TAG, ("file", path))
 
     stream = next((h for h in ours if getattr(h, _HANDLER_TAG) == "stream"), None)
     if stream is None:
@@ -114,21 +133,24 @@ def enable_logging(
         root.addHandler(stream)
     stream.setLevel(level)
     stream.setFormatter(formatter)
-    levels = [level]
-
-    if output_filepath is not None:
-        path = os.path.abspath(os.fspath(output_filepath))
-        handler = next((h for h in ours if getattr(h, _HANDLER_TAG) == ("file", path)), None)
-        if handler is None:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            handler = logging.FileHandler(path)
-            setattr(handler, _HANDLER_TAG, ("file", path))
+    if handler is not None:
+        if new_handler:
             root.addHandler(handler)
         handler.setLevel(file_level)
         handler.setFormatter(formatter)
-        levels.append(file_level)
+    root.setLevel(min(level, file_level) if handler is not None else level)
 
-    root.setLevel(min(levels))
+
+def _level(name: str, level: Any) -> int:
+    """A logging level (an int or a registered level name such as ``"DEBUG"``) as an int."""
+    if isinstance(level, str):
+        number = logging.getLevelName(level)  # the number for a registered name
+        if not isinstance(number, int):
+            raise ValueError(f"{name} must be a logging level, got the unknown name {level!r}")
+        return number
+    if isinstance(level, bool) or not isinstance(level, int):
+        raise TypeError(f"{name} must be an int or a level name, got {level!r}")
+    return level
 
 
 def merge_dicts(*dicts: Mapping[Any, Any]) -> dict[Any, Any]:

@@ -97,6 +97,44 @@ def test_enable_logging_default_format(restore_root_logger):
     assert stream.format(record) == "[x.y|INFO] hello"
 
 
+def test_enable_logging_rejected_call_changes_nothing(tmp_path, restore_root_logger):
+    # a bad level or an unusable file used to raise only after the stream handler had been
+    # added or reconfigured (an unknown level left a NOTSET handler on the root logger)
+    root = restore_root_logger
+    utils.enable_logging("first", level=logging.WARNING)
+    (stream,) = _ours(root)
+
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "hi", None, None)
+
+    def snapshot():
+        return list(root.handlers), root.level, stream.level, stream.format(record)
+
+    before = snapshot()
+    for kwargs, error in (
+        (dict(level="LOUD"), ValueError),
+        (dict(level=None), TypeError),
+        (dict(level=True), TypeError),
+        (dict(output_filepath=tmp_path / "a.log", output_level="NOPE"), ValueError),
+        (dict(level="DEBUG", output_filepath=tmp_path / "b.log", output_level=10), None),
+        (dict(output_filepath=tmp_path), IsADirectoryError),
+    ):
+        if error is None:  # a level name and a number together are fine
+            utils.enable_logging("second", **kwargs)
+            assert root.level == logging.DEBUG and stream.level == logging.DEBUG
+            for h in _ours(root):
+                if h is not stream:
+                    root.removeHandler(h)
+                    h.close()
+            utils.enable_logging("first", level=logging.WARNING)
+            root.setLevel(before[1])
+            assert snapshot() == before
+            continue
+        with pytest.raises(error):
+            utils.enable_logging("second", **kwargs)
+        assert snapshot() == before
+    assert not (tmp_path / "a.log").exists()
+
+
 # -- pretty_repr / pretty_print --------------------------------------------------------------
 
 
