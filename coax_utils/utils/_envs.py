@@ -422,11 +422,20 @@ def render_episode(
     -------
     float
         The undiscounted return of the episode.
+
+    Raises
+    ------
+    TypeError
+        If ``policy`` is not callable or ``step_delay_ms`` is not a number.
+    ValueError
+        If ``step_delay_ms`` is negative, NaN or infinite (checked before the env is reset).
     """
     if isinstance(step_delay_ms, bool) or not isinstance(step_delay_ms, (int, float, np.number)):
         raise TypeError(f"step_delay_ms must be a non-negative number, got {step_delay_ms!r}")
-    if not step_delay_ms >= 0:
-        raise ValueError(f"step_delay_ms must be a non-negative number, got {step_delay_ms!r}")
+    if not 0 <= step_delay_ms < np.inf:
+        raise ValueError(
+            f"step_delay_ms must be a finite non-negative number, got {step_delay_ms!r}"
+        )
     if policy is not None and not callable(policy):
         raise TypeError(f"policy must be callable, got {policy!r}")
     s, _ = env.reset()

@@ -285,3 +285,13 @@ def test_box_preprocessor_keeps_wide_integer_bounds_without_x64():
     wide = utils.default_preprocessor(gs.Box(-5, 2**40, (2,), np.int64))
     np.testing.assert_array_equal(wide(key, np.array([-7, 2**20])), [[-5, 2**20]])
     np.testing.assert_array_equal(jax.jit(wide)(key, np.array([4, 0])), [[4, 0]])
+
+
+def test_render_episode_refuses_an_infinite_delay_before_resetting():
+    # an infinite delay was accepted, and time.sleep raised OverflowError only after the env
+    # had been reset and stepped
+    env = gymnasium.make("CartPole-v1", render_mode="rgb_array")
+    with pytest.raises(ValueError, match="step_delay_ms"):
+        utils.render_episode(env, step_delay_ms=float("inf"))
+    assert env.unwrapped.state is None  # never reset
+    env.close()
