@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coax_utils._checks import is_int
+from coax_utils._checks import check_int, is_int
 from coax_utils._dataclass import pytree_dataclass
 
 __all__ = [
@@ -18,6 +18,9 @@ __all__ = [
     "ou_noise_reset",
     "ou_noise_step",
 ]
+
+
+_MAX_SEED = 2**128 - 1  # largest random_seed (larger ones would not restore from a checkpoint)
 
 
 def _is_traced(x: Any) -> bool:
@@ -123,14 +126,16 @@ class OrnsteinUhlenbeckNoise:
     max_value : float or ndarray, optional
         Upper bound for clipping the output action (no clipping if None).
     random_seed : int, optional
-        Seed of the random state, for reproducible results.
+        Seed of the random state, for reproducible results: an int in
+        :math:`[0, 2^{128})`.
 
     Raises
     ------
     ValueError
         If ``mu`` is not finite, ``sigma`` or ``theta`` is negative or not finite,
-        ``min_value`` or ``max_value`` is NaN, ``min_value > max_value``, or the parameters
-        do not broadcast with each other.
+        ``min_value`` or ``max_value`` is NaN, ``min_value > max_value``, the parameters
+        do not broadcast with each other, or ``random_seed`` lies outside
+        :math:`[0, 2^{128})`.
     TypeError
         If a parameter is not a real number or array, or ``random_seed`` is not an int.
 
@@ -154,8 +159,8 @@ class OrnsteinUhlenbeckNoise:
         random_seed: int | None = None,
     ):
         self._param_shape = _check_params(mu, sigma, theta, min_value, max_value)
-        if random_seed is not None and not is_int(random_seed):
-            raise TypeError(f"random_seed must be an int or None, got {random_seed!r}")
+        if random_seed is not None:  # the range a checkpoint of this object can restore
+            check_int(random_seed, "random_seed", low=0, high=_MAX_SEED)
         self.mu = mu
         self.sigma = sigma
         self.theta = theta
@@ -215,7 +220,7 @@ class OrnsteinUhlenbeckNoise:
             if not np.all(np.isfinite(noise)):
                 raise ValueError("OrnsteinUhlenbeckNoise state: noise must be finite")
         seed = state["random_seed"]  # seeds the constructor's generator, replaced below
-        if is_int(seed) and not 0 <= seed < 1 << 128:  # other types: the constructor says
+        if is_int(seed) and not 0 <= seed <= _MAX_SEED:  # other types: the constructor says
             raise ValueError(
                 "OrnsteinUhlenbeckNoise state: random_seed must lie in [0, 2**128)"
             )

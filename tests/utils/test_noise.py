@@ -243,3 +243,16 @@ def test_parameters_set_after_construction_are_checked_on_call():
         setattr(noise, name, old)
         noise.min_value = None
     assert noise(np.zeros(3)).shape == first.shape
+
+
+def test_every_accepted_seed_survives_pickle_and_deepcopy():
+    # seeds of 2**128 and above were accepted, but the object then failed to pickle, deepcopy
+    # or checkpoint (the restore refuses them); they are now refused up front
+    with pytest.raises(ValueError, match="random_seed"):
+        OrnsteinUhlenbeckNoise(random_seed=2**128)
+    with pytest.raises(ValueError, match="random_seed"):
+        OrnsteinUhlenbeckNoise(random_seed=-1)
+    noise = OrnsteinUhlenbeckNoise(random_seed=2**128 - 1)
+    noise(np.zeros(2))
+    for other in (pickle.loads(pickle.dumps(noise)), copy.deepcopy(noise)):
+        np.testing.assert_array_equal(other(np.zeros(2)), copy.deepcopy(noise)(np.zeros(2)))
