@@ -147,6 +147,36 @@ def _integers(rng: Any, low: Any, high: Any, size: Any = None) -> Any:
     return rng.randint(low, high, size=size)
 
 
+def _sample_integer_box(space: gymnasium.spaces.Box, rng: Any) -> np.ndarray:
+    r"""An element of an integer (or bool) box; no huge numbers for very wide dimensions.
+
+    Dimensions narrower than :math:`10^6`, or with both bounds inside :math:`\pm 10^6`, are
+    sampled uniformly. In the others, bounds beyond :math:`10^6` are ignored as for float
+    boxes: the other bound plus or minus a whole standard exponential, or a rounded standard
+    normal, clipped into the box.
+    """
+    shape, dtype = space.shape, space.dtype
+    low, high = space.low, space.high
+    low_f, high_f = low.astype(np.float64), high.astype(np.float64)
+    below, above = np.abs(low_f) < 1e6, np.abs(high_f) < 1e6
+    # exact widths and sums: in the unsigned type of the same size, whose wraparound gives
+    # the exact difference high - low and sum low + offset (both lie in its range)
+    udtype = np.dtype(f"uint{8 * dtype.itemsize}")
+    width = (high.astype(udtype) - low.astype(udtype)).astype(np.float64)
+    narrow = (below & above) | (width < 1e6)
+    width = np.where(narrow, width, 0.0)
+    offset = np.floor(_uniform(rng, shape) * (width + 1)).astype(np.int64)
+    uniform = (low.astype(udtype) + offset.astype(udtype)).astype(dtype)
+    if np.all(narrow):
+        return uniform
+    e, n = rng.standard_exponential(shape), rng.standard_normal(shape)
+    v = np.where(below, low_f + np.floor(e), np.where(above, high_f - np.floor(e), np.rint(n)))
+    v = np.where(narrow, 0.0, v)  # small numbers only (used where the box is wide)
+    inside = v.astype(np.int64).astype(dtype)
+    wide = np.where(v <= low_f, low, np.where(v >= high_f, high, inside))
+    return np.where(narrow, uniform, wide).astype(dtype)
+
+
 def _safe_sample(space: gymnasium.Space, rng: Any) -> Any:
     s = gymnasium.spaces
     if isinstance(space, s.Discrete):
@@ -159,10 +189,7 @@ def _safe_sample(space: gymnasium.Space, rng: Any) -> Any:
         return _integers(rng, 0, 2, size=space.shape).astype(space.dtype)
     if isinstance(space, s.Box):
         if np.issubdtype(space.dtype, np.integer) or space.dtype == np.bool_:
-            low = space.low.astype(np.float64)
-            high = space.high.astype(np.float64)
-            x = np.floor(low + _uniform(rng, space.shape) * (high - low + 1))
-            return np.clip(x, low, high).astype(space.dtype)
+            return _sample_integer_box(space, rng)
         low = space.low.astype(np.float64)
         high = space.high.astype(np.float64)
         below, above = np.isfinite(low), np.isfinite(high)
@@ -197,7 +224,9 @@ def safe_sample(space: gymnasium.Space, seed: Any = None) -> Any:
     Unlike ``space.sample()``, this neither touches the space's own random generator nor
     produces huge numbers for unbounded or very wide boxes: bounded box dimensions are
     sampled uniformly, half-bounded ones as the bound plus or minus a standard exponential,
-    and unbounded ones (or bounds beyond :math:`10^6`) from a standard normal. Samples are
+    and unbounded ones (or bounds beyond :math:`10^6`) from a standard normal. Integer boxes
+    follow the same rule (whole exponentials, rounded normals, clipped into the box), except
+    that a dimension narrower than :math:`10^6` is always sampled uniformly. Samples are
     elements of the space, with the space's dtype. Tuple and Dict spaces are sampled
     recursively; other spaces fall back to ``sample()`` on a seeded copy.
 

@@ -91,6 +91,29 @@ def test_safe_sample_returns_members_reproducibly(space):
         assert np.abs(np.stack(xs)).max() < 50  # no huge numbers, even for unbounded boxes
 
 
+def test_safe_sample_integer_boxes_stay_small_unless_narrow():
+    # unbounded or very wide integer boxes were sampled uniformly over their whole range
+    # (values of order 1e18 for Box(-inf, inf, dtype=int64)), unlike float boxes
+    cases = [
+        (gs.Box(-np.inf, np.inf, (50,), np.int64), lambda x: np.abs(x).max() < 50),
+        (gs.Box(-3, np.inf, (50,), np.int64), lambda x: (x >= -3).all() and x.max() < 50),
+        (gs.Box(0, 2**64 - 1, (50,), np.uint64), lambda x: x.max() < 50),
+        (gs.Box(-(2**31), 7, (50,), np.int32), lambda x: x.min() > -50 and (x <= 7).all()),
+        (gs.Box(2**62, 2**63 - 1, (50,), np.int64), lambda x: (x == 2**62).all()),
+    ]
+    for space, small in cases:
+        xs = [utils.safe_sample(space, seed=s) for s in range(10)]
+        for x in xs:
+            assert space.contains(x) and small(x), (space, x)
+        np.testing.assert_array_equal(utils.safe_sample(space, seed=4), xs[4])
+    # narrow boxes (width below 1e6) are still sampled uniformly, wherever they lie
+    far = gs.Box(2**64 - 4, 2**64 - 1, (200,), np.uint64)
+    x = utils.safe_sample(far, seed=0)
+    assert far.contains(x) and {int(v) for v in x} == {2**64 - 4, 2**64 - 3, 2**64 - 2, 2**64 - 1}
+    full = gs.Box(-128, 127, (4000,), np.int8)
+    assert len(set(utils.safe_sample(full, seed=1).tolist())) == 256
+
+
 def test_safe_sample_covers_discrete_ranges():
     space = gs.Discrete(4, start=-2)
     assert {int(utils.safe_sample(space, s)) for s in range(100)} == {-2, -1, 0, 1}
