@@ -368,7 +368,7 @@ def check_preprocessors(
     Every preprocessor is applied to the same ``num_samples`` elements of ``space`` (drawn
     with :func:`safe_sample`), each call for one element getting the same PRNG key; the
     outputs must have the same pytree structure and shapes, and equal values up to float
-    round-off (``rtol=1e-6``).
+    round-off (``rtol=1e-6``); NaN matches NaN in the same place.
 
     Parameters
     ----------
@@ -422,7 +422,7 @@ def check_preprocessors(
                 return False
             for a, b in zip(leaves, leaves0):
                 a, b = np.asarray(a), np.asarray(b)
-                if a.shape != b.shape or not np.allclose(a, b, rtol=1e-6, atol=1e-7):
+                if a.shape != b.shape or not np.allclose(a, b, 1e-6, 1e-7, equal_nan=True):
                     return False
     return True
 

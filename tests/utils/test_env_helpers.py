@@ -173,6 +173,23 @@ def test_check_preprocessors():
         utils.check_preprocessors(space, f, same, num_samples=0)
 
 
+def test_check_preprocessors_treats_nan_in_the_same_place_as_equal():
+    # a preprocessor giving NaN (here: scaling a box whose low equals its high) did not
+    # match even itself
+    space = gs.Box(np.array([0.0, 1.0], np.float32), np.array([1.0, 1.0], np.float32))
+
+    def scaled(rng, x):
+        return (jnp.asarray(x) - space.low) / (space.high - space.low)
+
+    def scaled_again(rng, x):
+        return jnp.asarray((np.asarray(x) - space.low) / (space.high - space.low))
+
+    with np.errstate(invalid="ignore"):
+        assert utils.check_preprocessors(space, scaled, scaled_again, random_seed=0)
+        moved = lambda rng, x: scaled(rng, x)[::-1]  # noqa: E731  NaN in another place
+        assert not utils.check_preprocessors(space, scaled, moved, random_seed=0)
+
+
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(1, 6), start=st.integers(-5, 5), seed=st.integers(0, 1000))
 def test_discrete_preprocessor_is_one_hot_of_the_offset(n, start, seed):
