@@ -4,6 +4,7 @@ episode rendering and DeepMind Control suite envs."""
 from __future__ import annotations
 
 import copy
+import math
 import os
 import time
 from collections.abc import Callable
@@ -256,11 +257,31 @@ def safe_sample(space: gymnasium.Space, seed: Any = None) -> Any:
     return _safe_sample(space, _rng(seed))
 
 
+def _with_batch_axis(X: jax.Array, space: gymnasium.Space) -> jax.Array:
+    """``X`` reshaped to ``(-1, *space.shape)``.
+
+    The trailing axes of ``X`` must be ``space.shape``, except that unit axes do not count:
+    a single element may have more or fewer of them, and a space of size one takes any shape
+    (a batch of ``X.size`` elements)."""
+    shape = tuple(space.shape)
+    trailing = X.ndim >= len(shape) and X.shape[X.ndim - len(shape) :] == shape
+    squeezed = [d for d in X.shape if d != 1] == [d for d in shape if d != 1]
+    if not (trailing or squeezed or math.prod(shape) == 1):
+        raise ValueError(
+            f"an element (or batch of elements) of {space} must have the shape {shape} "
+            f"(or (..., *{shape})), got shape {X.shape}"
+        )
+    return jnp.reshape(X, (-1, *shape))
+
+
 def default_preprocessor(space: gymnasium.Space) -> Callable[[jax.Array, Any], Any]:
     """The default preprocessor for a given space.
 
     The preprocessor ``func(rng, X)`` maps a single element or a batch of elements of
-    ``space`` to arrays with a leading batch axis:
+    ``space`` to arrays with a leading batch axis. For Box, MultiDiscrete and MultiBinary
+    spaces the trailing axes of ``X`` must be the space's shape (leading batch axes are
+    flattened into one; unit axes aside); another shape raises :class:`ValueError` (at trace
+    time under jit) instead of being reshaped into elements that were never given:
 
     - Box: ``X`` as the box's (JAX) dtype, reshaped to ``(-1, *shape)`` and clipped to the
       bounds (integer bounds beyond that dtype's range, e.g. int64 bounds without x64, are
@@ -316,8 +337,7 @@ def default_preprocessor(space: gymnasium.Space) -> Callable[[jax.Array, Any], A
         low, high = np.asarray(low, dtype), np.asarray(high, dtype)
 
         def func(rng: jax.Array, X: Any) -> jax.Array:
-            X = jnp.reshape(jnp.asarray(X, dtype), (-1, *space.shape))
-            return jnp.clip(X, low, high)
+            return jnp.clip(_with_batch_axis(jnp.asarray(X, dtype), space), low, high)
 
     elif isinstance(space, s.MultiDiscrete):
         nvec = space.nvec.ravel().astype(int).tolist()
@@ -325,14 +345,13 @@ def default_preprocessor(space: gymnasium.Space) -> Callable[[jax.Array, Any], A
         size = len(nvec)
 
         def func(rng: jax.Array, X: Any) -> list:
-            X = jnp.reshape(jnp.asarray(X), (-1, size))
+            X = jnp.reshape(_with_batch_axis(jnp.asarray(X), space), (-1, size))
             return [jax.nn.one_hot(X[:, i] - start[i], n) for i, n in enumerate(nvec)]
 
     elif isinstance(space, s.MultiBinary):
-        shape = space.shape
 
         def func(rng: jax.Array, X: Any) -> jax.Array:
-            return jnp.reshape(jnp.asarray(X, jnp.float32), (-1, *shape))
+            return _with_batch_axis(jnp.asarray(X, jnp.float32), space)
 
     elif isinstance(space, s.Tuple):
         subs = [default_preprocessor(sp) for sp in space.spaces]

@@ -335,3 +335,29 @@ def test_render_episode_refuses_an_infinite_delay_before_resetting():
         utils.render_episode(env, step_delay_ms=float("inf"))
     assert env.unwrapped.state is None  # never reset
     env.close()
+
+
+def test_preprocessors_refuse_elements_of_another_shape():
+    # elements were reshaped to (-1, *shape) whatever their shape: a (3, 2) array for a
+    # (2, 3) box came out as one (transposed-wrong) element, a (6,) array for a (3,) box as
+    # two elements
+    key = jax.random.key(0)
+    for space, bad, good in (
+        (gs.Box(-1.0, 1.0, (2, 3)), np.zeros((3, 2)), np.zeros((4, 5, 2, 3))),
+        (gs.Box(-1.0, 1.0, (3,)), np.zeros(6), np.zeros((2, 3))),
+        (gs.MultiBinary([2, 3]), np.zeros((3, 2), np.int8), np.zeros((2, 3), np.int8)),
+        (gs.MultiDiscrete([2, 3]), np.zeros(4, np.int64), np.zeros((5, 2), np.int64)),
+    ):
+        f = utils.default_preprocessor(space)
+        for g in (f, jax.jit(f)):
+            with pytest.raises(ValueError, match=r"shape"):
+                g(key, bad)
+            leaves = jax.tree_util.tree_leaves(g(key, good))
+            assert leaves[0].shape[0] == int(np.prod(good.shape[: good.ndim - len(space.shape)]))
+    scalar = utils.default_preprocessor(gs.Box(0.0, 1.0, ()))  # any shape is a batch of scalars
+    assert scalar(key, np.zeros((2, 3))).shape == (6,)
+    one = utils.default_preprocessor(gs.Box(0.0, 1.0, (1,)))  # so for a space of size one
+    assert one(key, 0.5).shape == (1, 1) and one(key, np.zeros(4)).shape == (4, 1)
+    unit = utils.default_preprocessor(gs.Box(0.0, 1.0, (1, 3)))  # unit axes of one element
+    assert unit(key, np.zeros(3)).shape == (1, 1, 3)
+    assert unit(key, np.zeros((5, 1, 3))).shape == (5, 1, 3)
