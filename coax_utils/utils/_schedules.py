@@ -164,7 +164,9 @@ class StepwiseLinearFunction:
         offsets.append(0.0)
         slopes.append(0.0)
         starts.append(self._vs[-1])
-        ref = xp.asarray(np.array(refs, dtype=np.int64).astype(dtype).astype(udtype))[index]
+        # each reference point as the unsigned integer of the same bits (two's complement)
+        bits = 8 * dtype.itemsize
+        ref = xp.asarray(np.array([r % (1 << bits) for r in refs], udtype))[index]
         delta = (t.astype(udtype) - ref).astype(ftype)  # wraps mod 2**bits: exact t - r
         delta = delta - xp.asarray(np.array(offsets), ftype)[index]
         out = xp.asarray(np.array(starts), ftype)[index] + delta * xp.asarray(

@@ -195,3 +195,12 @@ def test_numpy_scalar_steps_compute_like_python_numbers():
     assert g(0.5) == 0.5 and isinstance(g(0.5), float)
     assert all(type(t) in (int, float) for t, _ in f.steps + g.steps)
     assert StepwiseLinearFunction((np.int32(3), np.float32(0.5))).steps == ((3, 0.5),)
+
+
+def test_uint64_steps_beyond_the_int64_range():
+    # the segment reference points went through an int64 array, which raised OverflowError
+    # for breakpoints past 2**63 (reachable only by uint64 step counters)
+    f = StepwiseLinearFunction((2**63, 0.0), (2**64 - 1, 1.0))
+    t = np.array([0, 2**63, 2**63 + 2**62, 2**64 - 1], np.uint64)
+    np.testing.assert_allclose(f(t), [0.0, 0.0, 0.5, 1.0])
+    assert [f(int(x)) for x in t] == pytest.approx(f(t).tolist())
