@@ -513,6 +513,13 @@ class _DmcEnv(gymnasium.Env):
         self.height, self.width, self.camera_id = height, width, camera_id
         self.render_mode = "rgb_array"
         self._load(seed)
+        num_cameras = int(self._env.physics.model.ncam)
+        if camera_id >= num_cameras:
+            self._env.close()
+            raise ValueError(
+                f"camera_id must be -1 (free camera) or one of the {num_cameras} fixed cameras "
+                f"of {domain}/{task} (0 .. {num_cameras - 1}), got {camera_id}"
+            )
         spec = self._env.action_spec()
         self.action_space = gymnasium.spaces.Box(
             np.asarray(np.broadcast_to(spec.minimum, spec.shape), np.float32),
@@ -582,7 +589,7 @@ def make_dmc(
     task : str
         Name of the task.
     seed : int
-        Random seed.
+        Random seed, in :math:`[0, 2^{32})`.
     max_episode_steps : int
         Maximum number of steps per episode.
     height : int
@@ -590,7 +597,7 @@ def make_dmc(
     width : int
         Width of the rendered frames.
     camera_id : int
-        Camera ID.
+        Camera ID: one of the task's fixed cameras, or -1 for MuJoCo's free camera.
 
     Returns
     -------
@@ -601,8 +608,11 @@ def make_dmc(
     ------
     ImportError
         When dm_control is not installed.
+    TypeError
+        If ``seed`` or ``camera_id`` is not an int.
     ValueError
-        For an unknown domain/task or non-positive sizes.
+        For an unknown domain/task, non-positive sizes, a seed outside
+        :math:`[0, 2^{32})`, or a camera the task does not have.
     """
     for name, value in (
         ("max_episode_steps", max_episode_steps),
@@ -611,6 +621,8 @@ def make_dmc(
     ):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    seed = check_int(seed, "seed", low=0, high=2**32 - 1)  # dm_control's range
+    camera_id = check_int(camera_id, "camera_id", low=-1)
     os.environ.setdefault("MUJOCO_GL", "egl")
     try:
         from dm_control import suite
@@ -622,5 +634,5 @@ def make_dmc(
         raise ValueError(
             f"unknown DeepMind Control task {domain!r}/{task!r}; see dm_control.suite.ALL_TASKS"
         )
-    env = _DmcEnv(domain, task, seed, int(height), int(width), int(camera_id))
+    env = _DmcEnv(domain, task, seed, int(height), int(width), camera_id)
     return gymnasium.wrappers.TimeLimit(env, max_episode_steps=int(max_episode_steps))

@@ -361,3 +361,24 @@ def test_preprocessors_refuse_elements_of_another_shape():
     unit = utils.default_preprocessor(gs.Box(0.0, 1.0, (1, 3)))  # unit axes of one element
     assert unit(key, np.zeros(3)).shape == (1, 1, 3)
     assert unit(key, np.zeros((5, 1, 3))).shape == (5, 1, 3)
+
+
+def test_make_dmc_checks_seed_and_camera_before_use():
+    # a float seed or camera_id was truncated silently (1.5 -> 1), and a camera the task does
+    # not have was accepted, failing only at the first render
+    for kwargs, error in (
+        (dict(seed=1.5), TypeError),
+        (dict(seed=-1), ValueError),
+        (dict(seed=2**32), ValueError),
+        (dict(camera_id=1.5), TypeError),
+        (dict(camera_id=True), TypeError),
+        (dict(camera_id=-2), ValueError),
+        (dict(camera_id=2), ValueError),  # cartpole has the fixed cameras 0 and 1
+    ):
+        with pytest.raises(error, match="seed" if "seed" in kwargs else "camera_id"):
+            utils.make_dmc("cartpole", "swingup", height=8, width=8, **kwargs)
+    for camera_id in (-1, 1):  # -1: mujoco's free camera
+        env = utils.make_dmc("cartpole", "swingup", height=8, width=8, camera_id=camera_id)
+        env.reset(seed=0)
+        assert env.render().shape == (8, 8, 3)
+        env.close()
