@@ -14,6 +14,14 @@ import numpy as np
 __all__ = ["StepwiseLinearFunction"]
 
 
+def _finite(x: numbers.Real) -> bool:
+    """Whether ``x`` is a finite number that a float can hold (Python ints of any size)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond the float range
+        return False
+
+
 class StepwiseLinearFunction:
     r"""Stepwise linear function: linear between the given steps, flat outside them.
 
@@ -40,7 +48,7 @@ class StepwiseLinearFunction:
     ------
     ValueError
         If no steps are given, the timesteps are not strictly increasing, or a timestep or
-        value is not finite.
+        value is not finite (an int beyond the float range counts as not finite).
     TypeError
         If a step is not a pair of real numbers.
 
@@ -70,8 +78,11 @@ class StepwiseLinearFunction:
             for name, x in (("timestep", t), ("value", v)):
                 if isinstance(x, bool) or not isinstance(x, numbers.Real):
                     raise TypeError(f"{name} must be a real number, got {x!r} in step {step!r}")
-                if not np.isfinite(x):
-                    raise ValueError(f"{name} must be finite, got {x!r} in step {step!r}")
+                if not _finite(x):
+                    raise ValueError(
+                        f"{name} must be finite (and within the float range), got {x!r} in "
+                        f"step {step!r}"
+                    )
             # Python numbers from here on: NumPy scalars would bring their own arithmetic
             # (int64 wraparound, float32 rounding) into the interpolation
             ts.append(int(t) if isinstance(t, numbers.Integral) else float(t))

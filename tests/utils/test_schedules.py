@@ -204,3 +204,14 @@ def test_uint64_steps_beyond_the_int64_range():
     t = np.array([0, 2**63, 2**63 + 2**62, 2**64 - 1], np.uint64)
     np.testing.assert_allclose(f(t), [0.0, 0.0, 0.5, 1.0])
     assert [f(int(x)) for x in t] == pytest.approx(f(t).tolist())
+
+
+def test_python_int_steps_beyond_64_bits():
+    # Python ints of 65 bits or more were refused with numpy's "ufunc 'isfinite' not
+    # supported" TypeError, though ints are exact and the scalar path handles them
+    f = StepwiseLinearFunction((-(2**70), 1.0), (0, 0.5), (10**20, 0.0))
+    assert f(-(2**69)) == pytest.approx(0.75) and f(5 * 10**19) == pytest.approx(0.25)
+    np.testing.assert_allclose(f(np.array([2**63], np.uint64)), [0.5 - 0.5 * 2**63 / 10**20])
+    np.testing.assert_allclose(f(jnp.int32(-5)), 0.5, rtol=1e-6)
+    with pytest.raises(ValueError, match="finite"):
+        StepwiseLinearFunction((0, 1.0), (10**400, 0.0))  # not even a float
