@@ -79,6 +79,26 @@ def _check_params(
         ) from None
 
 
+def _in_dtype(name: str, x: Any, dtype: Any, bound: bool = False) -> np.ndarray:
+    r"""The concrete parameter ``x`` cast to the (floating) action dtype.
+
+    A clipping bound beyond the dtype's range becomes :math:`\pm\infty` (it bounds
+    nothing); ``mu``, ``sigma`` and ``theta`` must fit, since they would turn into infinite
+    noise and NaN actions: ValueError.
+    """
+    arr = np.asarray(x, np.float64)
+    largest = float(jnp.finfo(dtype).max)
+    beyond = np.abs(arr) > largest
+    if np.any(beyond):
+        if not bound:
+            raise ValueError(
+                f"{name} = {x!r} does not fit the action dtype {jnp.dtype(dtype).name} "
+                f"(largest magnitude {largest:g})"
+            )
+        arr = np.where(beyond, np.copysign(np.inf, arr), arr)
+    return arr.astype(dtype)
+
+
 def _check_action_shape(action_shape: tuple[int, ...], param_shape: tuple[int, ...]) -> None:
     """The parameters must broadcast to the action's shape without changing it."""
     try:
@@ -275,7 +295,9 @@ class OrnsteinUhlenbeckNoise:
         ------
         ValueError
             If the shape of ``a`` differs from the previous call's without a :meth:`reset`,
-            the parameters do not broadcast to it, or a parameter set after construction
+            the parameters do not broadcast to it, ``mu``, ``sigma`` or ``theta`` does not
+            fit its dtype (e.g. ``mu=1e5`` for float16 actions; bounds beyond the dtype's
+            range simply bound nothing), or a parameter set after construction
             (e.g. ``noise.sigma = ...``) breaks a rule of the constructor. Nothing changes
             then (the running noise and the random stream stay as they were).
         TypeError
@@ -293,6 +315,12 @@ class OrnsteinUhlenbeckNoise:
         params = (self.mu, self.sigma, self.theta, self.min_value, self.max_value)
         self._param_shape = _check_params(*params)
         _check_action_shape(a.shape, self._param_shape)
+        for name in ("mu", "sigma", "theta"):
+            _in_dtype(name, getattr(self, name), a.dtype)
+        low, high = (
+            None if x is None else _in_dtype(name, x, a.dtype, bound=True)
+            for name, x in (("min_value", self.min_value), ("max_value", self.max_value))
+        )
         if self._noise is None:
             self._noise = np.broadcast_to(np.asarray(self.mu, a.dtype), a.shape).copy()
         elif self._noise.shape != a.shape:
@@ -304,8 +332,8 @@ class OrnsteinUhlenbeckNoise:
         noise = self._noise + self.theta * (self.mu - self._noise) + self.sigma * eps
         self._noise = np.asarray(noise, a.dtype)
         out = a + self._noise
-        if self.min_value is not None or self.max_value is not None:
-            out = np.clip(out, self.min_value, self.max_value)
+        if low is not None or high is not None:
+            out = np.clip(out, low, high)
         return np.asarray(out, a.dtype)
 
 
@@ -362,8 +390,9 @@ def ou_noise_init(
     ValueError
         If ``mu`` is not finite, ``sigma`` or ``theta`` is negative or not finite,
         ``min_value`` or ``max_value`` is NaN, ``min_value > max_value`` (checked when the
-        values are concrete), or a parameter does not broadcast to the action's shape
-        (checked always: shapes are static).
+        values are concrete), a concrete ``mu``, ``sigma`` or ``theta`` does not fit the
+        action's dtype (bounds beyond its range become infinite), or a parameter does not
+        broadcast to the action's shape (checked always: shapes are static).
 
     Examples
     --------
@@ -381,17 +410,19 @@ def ou_noise_init(
     if not jnp.issubdtype(dtype, jnp.floating):
         dtype = jnp.dtype(jnp.float32)
 
-    def arr(x: Any, default: float) -> jax.Array:
-        return jnp.asarray(default if x is None else x, dtype)
+    def arr(name: str, x: Any, default: float) -> jax.Array:
+        if x is None or _is_traced(x):
+            return jnp.asarray(default if x is None else x, dtype)
+        return jnp.asarray(_in_dtype(name, x, dtype, bound=name.endswith("_value")))
 
-    mu = arr(mu, 0.0)
+    mu = arr("mu", mu, 0.0)
     return OUNoiseState(
         noise=jnp.broadcast_to(mu, shape).astype(dtype),
         mu=mu,
-        sigma=arr(sigma, 1.0),
-        theta=arr(theta, 0.15),
-        min_value=arr(min_value, -jnp.inf),
-        max_value=arr(max_value, jnp.inf),
+        sigma=arr("sigma", sigma, 1.0),
+        theta=arr("theta", theta, 0.15),
+        min_value=arr("min_value", min_value, -jnp.inf),
+        max_value=arr("max_value", max_value, jnp.inf),
     )
 
 

@@ -256,3 +256,18 @@ def test_every_accepted_seed_survives_pickle_and_deepcopy():
     noise(np.zeros(2))
     for other in (pickle.loads(pickle.dumps(noise)), copy.deepcopy(noise)):
         np.testing.assert_array_equal(other(np.zeros(2)), copy.deepcopy(noise)(np.zeros(2)))
+
+
+def test_parameters_that_overflow_the_action_dtype_are_refused():
+    # mu = 1e5 does not fit float16 (max 65504): the host object returned NaN actions and
+    # the pure state started from inf, silently
+    a16 = np.zeros(2, np.float16)
+    noise = OrnsteinUhlenbeckNoise(mu=1e5, random_seed=0)
+    with pytest.raises(ValueError, match=r"mu.*float16"):
+        noise(a16)
+    assert noise._noise is None
+    assert np.isfinite(noise(np.zeros(2, np.float32))).all()  # fits float32
+    with pytest.raises(ValueError, match=r"sigma.*float16"):
+        ou_noise_init(jnp.zeros(2, jnp.float16), sigma=np.array([1.0, 7e4]))
+    state = ou_noise_init(jnp.zeros(2, jnp.float16), min_value=-1e9, max_value=1e9)
+    assert state.min_value == -jnp.inf  # bounds beyond the dtype: no bound, as before
