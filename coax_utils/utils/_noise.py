@@ -99,6 +99,14 @@ def _in_dtype(name: str, x: Any, dtype: Any, bound: bool = False) -> np.ndarray:
     return arr.astype(dtype)
 
 
+def _value_key(x: Any) -> Any:
+    """What identifies the value of a parameter: type, dtype, shape and bytes (NaN-safe)."""
+    if x is None or _is_traced(x):
+        return (type(x), id(x))
+    arr = np.asarray(x)
+    return (type(x), arr.dtype.str, arr.shape, arr.tobytes())
+
+
 def _check_action_shape(action_shape: tuple[int, ...], param_shape: tuple[int, ...]) -> None:
     """The parameters must broadcast to the action's shape without changing it."""
     try:
@@ -188,6 +196,7 @@ class OrnsteinUhlenbeckNoise:
         self.max_value = max_value
         self.random_seed = random_seed
         self._rng = np.random.default_rng(random_seed)
+        self._checked: tuple | None = None  # see _checked_params
         self.reset()
 
     def __checkpoint_state__(self) -> dict[str, Any]:
@@ -277,6 +286,28 @@ class OrnsteinUhlenbeckNoise:
         :math:`X_0 = \mu`. The random stream continues (it is not reseeded)."""
         self._noise: np.ndarray | None = None
 
+    def _checked_params(self, dtype: np.dtype) -> tuple[tuple[int, ...], Any, Any]:
+        """Check the parameters for actions of ``dtype``; their broadcast shape and the
+        clipping bounds in ``dtype`` (None for no bound).
+
+        The parameters are public attributes, so they may have been set (or changed in
+        place) since the constructor checked them. The checks are redone whenever their
+        values differ from the last ones checked (a cheap comparison of their bytes).
+        """
+        params = (self.mu, self.sigma, self.theta, self.min_value, self.max_value)
+        key = (dtype.str, *(_value_key(x) for x in params))
+        if self._checked is None or self._checked[0] != key:
+            param_shape = _check_params(*params)
+            for name in ("mu", "sigma", "theta"):
+                _in_dtype(name, getattr(self, name), dtype)
+            low, high = (
+                None if x is None else _in_dtype(name, x, dtype, bound=True)
+                for name, x in (("min_value", self.min_value), ("max_value", self.max_value))
+            )
+            self._checked = (key, param_shape, low, high)
+            self._param_shape = param_shape
+        return self._checked[1:]
+
     def __call__(self, a: Any) -> np.ndarray:
         r"""Add Ornstein-Uhlenbeck noise to a continuous action.
 
@@ -310,17 +341,8 @@ class OrnsteinUhlenbeckNoise:
             raise TypeError(f"the action must be a real number or array, got {a!r}")
         if not np.issubdtype(a.dtype, np.floating):
             a = a.astype(np.float64)
-        # the parameters are public attributes: check them again, as they may have been set
-        # since the constructor checked them
-        params = (self.mu, self.sigma, self.theta, self.min_value, self.max_value)
-        self._param_shape = _check_params(*params)
-        _check_action_shape(a.shape, self._param_shape)
-        for name in ("mu", "sigma", "theta"):
-            _in_dtype(name, getattr(self, name), a.dtype)
-        low, high = (
-            None if x is None else _in_dtype(name, x, a.dtype, bound=True)
-            for name, x in (("min_value", self.min_value), ("max_value", self.max_value))
-        )
+        param_shape, low, high = self._checked_params(a.dtype)
+        _check_action_shape(a.shape, param_shape)
         if self._noise is None:
             self._noise = np.broadcast_to(np.asarray(self.mu, a.dtype), a.shape).copy()
         elif self._noise.shape != a.shape:

@@ -271,3 +271,20 @@ def test_parameters_that_overflow_the_action_dtype_are_refused():
         ou_noise_init(jnp.zeros(2, jnp.float16), sigma=np.array([1.0, 7e4]))
     state = ou_noise_init(jnp.zeros(2, jnp.float16), min_value=-1e9, max_value=1e9)
     assert state.min_value == -jnp.inf  # bounds beyond the dtype: no bound, as before
+
+
+def test_parameter_arrays_changed_in_place_are_checked_on_call():
+    sigma = np.full(3, 0.5)
+    noise = OrnsteinUhlenbeckNoise(sigma=sigma, random_seed=0)
+    noise(np.zeros(3))
+    sigma[1] = -1.0  # the object holds the caller's array
+    running, before = noise._noise.copy(), noise._rng.bit_generator.state
+    with pytest.raises(ValueError, match="sigma"):
+        noise(np.zeros(3))
+    np.testing.assert_array_equal(noise._noise, running)
+    assert noise._rng.bit_generator.state == before
+    sigma[1] = np.nan
+    with pytest.raises(ValueError, match="sigma"):
+        noise(np.zeros(3))
+    sigma[1] = 0.25
+    assert noise(np.zeros(3)).shape == (3,)
