@@ -500,6 +500,9 @@ def render_episode(
             return total
 
 
+_DMC_MAX_SEED = 2**32 - 1  # dm_control seeds a numpy RandomState
+
+
 class _DmcEnv(gymnasium.Env):
     """A DeepMind Control suite task as a gymnasium env (observations flattened)."""
 
@@ -538,6 +541,8 @@ class _DmcEnv(gymnasium.Env):
         return np.concatenate(parts).astype(np.float32)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple:
+        if seed is not None:  # before anything is reseeded
+            seed = check_int(seed, "seed", low=0, high=_DMC_MAX_SEED)
         super().reset(seed=seed)
         if seed is not None:
             self._load(seed)
@@ -577,7 +582,8 @@ def make_dmc(
     float32 box; ``render()`` returns ``(height, width, 3)`` uint8 frames from ``camera_id``
     (render mode ``"rgb_array"``). The end of a dm_control episode at its own time limit is
     reported as truncation, a terminal step (discount 0) as termination. ``reset(seed=s)``
-    reloads the task with seed ``s``. Rendering is headless: ``MUJOCO_GL`` defaults to
+    reloads the task with seed ``s`` (an int in :math:`[0, 2^{32})`, checked before anything
+    is reseeded). Rendering is headless: ``MUJOCO_GL`` defaults to
     ``"egl"`` (set it before calling to choose another backend, e.g. ``"osmesa"``).
 
     Needs the ``dmc`` extra: ``pip install coax_utils[dmc]``.
@@ -621,7 +627,7 @@ def make_dmc(
     ):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    seed = check_int(seed, "seed", low=0, high=2**32 - 1)  # dm_control's range
+    seed = check_int(seed, "seed", low=0, high=_DMC_MAX_SEED)
     camera_id = check_int(camera_id, "camera_id", low=-1)
     os.environ.setdefault("MUJOCO_GL", "egl")
     try:

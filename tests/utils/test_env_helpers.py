@@ -382,3 +382,19 @@ def test_make_dmc_checks_seed_and_camera_before_use():
         env.reset(seed=0)
         assert env.render().shape == (8, 8, 3)
         env.close()
+
+
+def test_make_dmc_reset_refuses_a_bad_seed_before_reseeding():
+    # reset(seed=2**32) reseeded the gymnasium generator, then dm_control refused the seed:
+    # the env was left half reset
+    env = utils.make_dmc("cartpole", "swingup", height=8, width=8)
+    env.reset(seed=1)
+    unwrapped = env.unwrapped
+    before = unwrapped.np_random.bit_generator.state
+    physics = unwrapped._env.physics.get_state().copy()
+    for seed, error in ((2**32, ValueError), (-1, ValueError), (1.5, TypeError)):
+        with pytest.raises(error, match="seed"):
+            env.reset(seed=seed)
+        assert unwrapped.np_random.bit_generator.state == before
+        np.testing.assert_array_equal(unwrapped._env.physics.get_state(), physics)
+    env.close()
