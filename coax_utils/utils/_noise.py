@@ -474,7 +474,8 @@ def ou_noise_step(
     noisy_action : Array
         :math:`\widetilde{A}_t`, the dtype of the noise.
     noise_state : OUNoiseState
-        The state holding :math:`X_t`.
+        The state holding :math:`X_t` (in the dtype of the noise, also when parameters of
+        another dtype were put into the state with ``replace``).
 
     Raises
     ------
@@ -491,10 +492,11 @@ def ou_noise_step(
         )
     for name in ("mu", "sigma", "theta", "min_value", "max_value"):
         _check_action_shape(shape, tuple(jnp.shape(getattr(s, name))))
-    eps = jax.random.normal(key, s.noise.shape, s.noise.dtype)
-    noise = s.noise + s.theta * (s.mu - s.noise) + s.sigma * eps
-    noisy = jnp.clip(jnp.asarray(action, s.noise.dtype) + noise, s.min_value, s.max_value)
-    return noisy, s.replace(noise=noise)
+    dtype = s.noise.dtype  # kept, whatever dtypes parameters put into the state have
+    eps = jax.random.normal(key, s.noise.shape, dtype)
+    noise = (s.noise + s.theta * (s.mu - s.noise) + s.sigma * eps).astype(dtype)
+    noisy = jnp.clip(jnp.asarray(action, dtype) + noise, s.min_value, s.max_value)
+    return noisy.astype(dtype), s.replace(noise=noise)
 
 
 def ou_noise_reset(noise_state: OUNoiseState) -> OUNoiseState:

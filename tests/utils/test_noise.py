@@ -288,3 +288,19 @@ def test_parameter_arrays_changed_in_place_are_checked_on_call():
         noise(np.zeros(3))
     sigma[1] = 0.25
     assert noise(np.zeros(3)).shape == (3,)
+
+
+def test_pure_step_keeps_the_noise_dtype_of_a_replaced_state():
+    # a state whose parameters were replaced by arrays of a wider dtype promoted the noise
+    # (float16 -> float32) on the first step, so a scan over steps failed on its carry
+    state = ou_noise_init(jnp.zeros(3, jnp.float16), sigma=0.1)
+    state = state.replace(mu=jnp.full(3, 0.5, jnp.float32), sigma=jnp.float32(0.2))
+    a, new = ou_noise_step(jax.random.key(0), jnp.zeros(3, jnp.float16), state)
+    assert a.dtype == new.noise.dtype == jnp.float16
+
+    def body(s, key):
+        a, s = ou_noise_step(key, jnp.zeros(3, jnp.float16), s)
+        return s, a
+
+    _, actions = jax.lax.scan(body, state, jax.random.split(jax.random.key(1), 4))
+    assert actions.shape == (4, 3) and actions.dtype == jnp.float16
