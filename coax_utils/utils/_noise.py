@@ -49,7 +49,7 @@ def _check_params(
     Returns the broadcast shape of the parameters.
     """
     params = (mu, sigma, theta, min_value, max_value)
-    shapes = [jnp.shape(x) if _is_traced(x) else np.shape(x) for x in params if x is not None]
+    shapes = [np.shape(x) for x in params if x is not None]  # tracers: .shape
     for name, x, low in (("mu", mu, None), ("sigma", sigma, 0.0), ("theta", theta, 0.0)):
         if not _concrete(x):
             continue
@@ -425,7 +425,7 @@ def ou_noise_init(
     >>> a.shape, bool(jnp.all(jnp.abs(a) <= 1.0))
     ((2,), True)
     """
-    shape = jnp.shape(action)
+    shape = np.shape(action)  # np.shape: also lists, tracers and ShapeDtypeStructs
     _check_action_shape(shape, _check_params(mu, sigma, theta, min_value, max_value))
     dtype = getattr(action, "dtype", None)
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
@@ -485,13 +485,13 @@ def ou_noise_step(
     """
     s = noise_state
     shape = tuple(s.noise.shape)
-    if tuple(jnp.shape(action)) != shape:
+    if np.shape(action) != shape:
         raise ValueError(
-            f"action of shape {tuple(jnp.shape(action))} does not match the noise state's "
+            f"action of shape {np.shape(action)} does not match the noise state's "
             f"shape {shape}; make the state with ou_noise_init for actions of that shape"
         )
     for name in ("mu", "sigma", "theta", "min_value", "max_value"):
-        _check_action_shape(shape, tuple(jnp.shape(getattr(s, name))))
+        _check_action_shape(shape, np.shape(getattr(s, name)))
     dtype = s.noise.dtype  # kept, whatever dtypes parameters put into the state have
     eps = jax.random.normal(key, s.noise.shape, dtype)
     noise = (s.noise + s.theta * (s.mu - s.noise) + s.sigma * eps).astype(dtype)

@@ -304,3 +304,14 @@ def test_pure_step_keeps_the_noise_dtype_of_a_replaced_state():
 
     _, actions = jax.lax.scan(body, state, jax.random.split(jax.random.key(1), 4))
     assert actions.shape == (4, 3) and actions.dtype == jnp.float16
+
+
+def test_pure_functions_take_plain_sequences_as_actions():
+    # jnp.shape of a list warns (DeprecationWarning: a future JAX error), which the
+    # warnings-as-errors test setup turned into a failure of ou_noise_init([0.0, 0.0])
+    state = ou_noise_init([0.0, 0.0], sigma=0.1)
+    assert state.noise.shape == (2,) and state.noise.dtype == jnp.float32
+    a, state = ou_noise_step(jax.random.key(0), [0.5, 0.5], state)
+    assert a.shape == (2,)
+    with pytest.raises(ValueError, match=r"\(3,\)"):
+        ou_noise_step(jax.random.key(0), [0.0, 0.0, 0.0], state)
