@@ -194,9 +194,11 @@ def _safe_sample(space: gymnasium.Space, rng: Any) -> Any:
         low = space.low.astype(np.float64)
         high = space.high.astype(np.float64)
         below, above = np.isfinite(low), np.isfinite(high)
-        # large but finite bounds are treated as unbounded: samples stay of order one
-        below &= np.abs(low) < 1e6
-        above &= np.abs(high) < 1e6
+        # large but finite bounds are treated as unbounded (samples stay of order one),
+        # unless the box is narrow there: then it is sampled uniformly, wherever it lies
+        narrow = below & above & (high - low < 1e6)
+        below &= (np.abs(low) < 1e6) | narrow
+        above &= (np.abs(high) < 1e6) | narrow
         u = _uniform(rng, space.shape)
         e = rng.standard_exponential(space.shape)
         n = rng.standard_normal(space.shape)
@@ -225,11 +227,12 @@ def safe_sample(space: gymnasium.Space, seed: Any = None) -> Any:
     Unlike ``space.sample()``, this neither touches the space's own random generator nor
     produces huge numbers for unbounded or very wide boxes: bounded box dimensions are
     sampled uniformly, half-bounded ones as the bound plus or minus a standard exponential,
-    and unbounded ones (or bounds beyond :math:`10^6`) from a standard normal. Integer boxes
-    follow the same rule (whole exponentials, rounded normals, clipped into the box), except
-    that a dimension narrower than :math:`10^6` is always sampled uniformly. Samples are
-    elements of the space, with the space's dtype. Tuple and Dict spaces are sampled
-    recursively; other spaces fall back to ``sample()`` on a seeded copy.
+    and unbounded ones (or bounds beyond :math:`10^6`) from a standard normal, except that a
+    dimension narrower than :math:`10^6` is always sampled uniformly, wherever it lies.
+    Integer boxes follow the same rule (with whole exponentials and rounded normals,
+    clipped into the box). Samples are elements of the space, with the space's dtype.
+    Tuple and Dict spaces are sampled recursively; other spaces fall back to ``sample()``
+    on a seeded copy.
 
     Parameters
     ----------

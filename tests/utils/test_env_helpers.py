@@ -114,6 +114,18 @@ def test_safe_sample_integer_boxes_stay_small_unless_narrow():
     assert len(set(utils.safe_sample(full, seed=1).tolist())) == 256
 
 
+def test_safe_sample_narrow_float_boxes_far_from_zero_are_not_constant():
+    # a bound beyond 1e6 was dropped even when the box was narrow, so Box(2e6, 2e6 + 10)
+    # gave the standard normal clipped to its low bound: 2e6 in every sample
+    for space in (
+        gs.Box(2e6, 2e6 + 10, (50,), np.float32),
+        gs.Box(-1e7 - 1, -1e7, (50,), np.float64),
+    ):
+        x = utils.safe_sample(space, seed=0)
+        assert space.contains(x) and len(np.unique(x)) > 20, x  # float32: steps of 0.25
+        np.testing.assert_array_equal(utils.safe_sample(space, seed=0), x)
+
+
 def test_safe_sample_covers_discrete_ranges():
     space = gs.Discrete(4, start=-2)
     assert {int(utils.safe_sample(space, s)) for s in range(100)} == {-2, -1, 0, 1}
