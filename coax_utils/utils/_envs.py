@@ -151,31 +151,46 @@ def _integers(rng: Any, low: Any, high: Any, size: Any = None) -> Any:
 def _sample_integer_box(space: gymnasium.spaces.Box, rng: Any) -> np.ndarray:
     r"""An element of an integer (or bool) box; no huge numbers for very wide dimensions.
 
-    Dimensions narrower than :math:`10^6`, or with both bounds inside :math:`\pm 10^6`, are
-    sampled uniformly. In the others, bounds beyond :math:`10^6` are ignored as for float
-    boxes: the other bound plus or minus a whole standard exponential, or a rounded standard
-    normal, clipped into the box.
+    The rule of float boxes, in exact integer arithmetic: dimensions narrower than
+    :math:`10^6`, or with both bounds inside :math:`\pm 10^6`, are sampled uniformly; in the
+    others, a bound that keeps the samples away from zero (or lies inside :math:`\pm 10^6`)
+    plus or minus a whole standard exponential, else a rounded standard normal.
     """
     shape, dtype = space.shape, space.dtype
     low, high = space.low, space.high
     low_f, high_f = low.astype(np.float64), high.astype(np.float64)
-    below, above = np.abs(low_f) < 1e6, np.abs(high_f) < 1e6
-    # exact widths and sums: in the unsigned type of the same size, whose wraparound gives
-    # the exact difference high - low and sum low + offset (both lie in its range)
+    # exact widths, sums and differences: in the unsigned type of the same size, whose
+    # wraparound gives them exactly whenever the result lies in the box
     udtype = np.dtype(f"uint{8 * dtype.itemsize}")
     width = (high.astype(udtype) - low.astype(udtype)).astype(np.float64)
-    narrow = (below & above) | (width < 1e6)
+    below, above = _bounds_to_sample_from(low_f, high_f, width < 1e6)
+    narrow = below & above
     width = np.where(narrow, width, 0.0)
     offset = np.floor(_uniform(rng, shape) * (width + 1)).astype(np.int64)
     uniform = (low.astype(udtype) + offset.astype(udtype)).astype(dtype)
     if np.all(narrow):
         return uniform
     e, n = rng.standard_exponential(shape), rng.standard_normal(shape)
-    v = np.where(below, low_f + np.floor(e), np.where(above, high_f - np.floor(e), np.rint(n)))
-    v = np.where(narrow, 0.0, v)  # small numbers only (used where the box is wide)
-    inside = v.astype(np.int64).astype(dtype)
-    wide = np.where(v <= low_f, low, np.where(v >= high_f, high, inside))
-    return np.where(narrow, uniform, wide).astype(dtype)
+    k = np.floor(e).astype(udtype)  # less than the width of a wide dimension
+    from_low = (low.astype(udtype) + k).astype(dtype)
+    from_high = (high.astype(udtype) - k).astype(dtype)
+    n = np.where(below | above, 0.0, np.rint(n))  # used where low < -1e6 and high > 1e6
+    around_zero = n.astype(np.int64).astype(dtype)
+    from_above = np.where(above, from_high, around_zero)
+    return np.where(below, np.where(above, uniform, from_low), from_above)
+
+
+def _bounds_to_sample_from(
+    low: np.ndarray, high: np.ndarray, narrow: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    r"""Which box bounds :func:`safe_sample` starts from (float64 bounds, per dimension).
+
+    Both bounds (a uniform sample) where the box is narrow; else each finite bound that lies
+    inside :math:`\pm 10^6` or keeps the box away from zero (a low bound above zero, a high
+    bound below zero), so that samples stay of order one or near the box's edge."""
+    below = np.isfinite(low) & ((np.abs(low) < 1e6) | (low > 0) | narrow)
+    above = np.isfinite(high) & ((np.abs(high) < 1e6) | (high < 0) | narrow)
+    return below, above
 
 
 def _safe_sample(space: gymnasium.Space, rng: Any) -> Any:
@@ -193,12 +208,9 @@ def _safe_sample(space: gymnasium.Space, rng: Any) -> Any:
             return _sample_integer_box(space, rng)
         low = space.low.astype(np.float64)
         high = space.high.astype(np.float64)
-        below, above = np.isfinite(low), np.isfinite(high)
-        # large but finite bounds are treated as unbounded (samples stay of order one),
-        # unless the box is narrow there: then it is sampled uniformly, wherever it lies
-        narrow = below & above & (high - low < 1e6)
-        below &= (np.abs(low) < 1e6) | narrow
-        above &= (np.abs(high) < 1e6) | narrow
+        with np.errstate(invalid="ignore"):  # inf - inf: NaN, not narrow
+            narrow = high - low < 1e6
+        below, above = _bounds_to_sample_from(low, high, narrow)
         u = _uniform(rng, space.shape)
         e = rng.standard_exponential(space.shape)
         n = rng.standard_normal(space.shape)
@@ -227,12 +239,13 @@ def safe_sample(space: gymnasium.Space, seed: Any = None) -> Any:
     Unlike ``space.sample()``, this neither touches the space's own random generator nor
     produces huge numbers for unbounded or very wide boxes: bounded box dimensions are
     sampled uniformly, half-bounded ones as the bound plus or minus a standard exponential,
-    and unbounded ones (or bounds beyond :math:`10^6`) from a standard normal, except that a
-    dimension narrower than :math:`10^6` is always sampled uniformly, wherever it lies.
-    Integer boxes follow the same rule (with whole exponentials and rounded normals,
-    clipped into the box). Samples are elements of the space, with the space's dtype.
-    Tuple and Dict spaces are sampled recursively; other spaces fall back to ``sample()``
-    on a seeded copy.
+    and unbounded ones from a standard normal. A bound beyond :math:`10^6` counts as none,
+    unless the dimension is narrower than :math:`10^6` (then it is sampled uniformly,
+    wherever it lies) or the bound keeps the box away from zero (a low bound above
+    :math:`10^6`, a high bound below :math:`-10^6`: samples start from it). Integer boxes
+    follow the same rule (with whole exponentials and rounded normals). Samples are
+    elements of the space, with the space's dtype. Tuple and Dict spaces are sampled
+    recursively; other spaces fall back to ``sample()`` on a seeded copy.
 
     Parameters
     ----------

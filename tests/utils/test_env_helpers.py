@@ -99,7 +99,8 @@ def test_safe_sample_integer_boxes_stay_small_unless_narrow():
         (gs.Box(-3, np.inf, (50,), np.int64), lambda x: (x >= -3).all() and x.max() < 50),
         (gs.Box(0, 2**64 - 1, (50,), np.uint64), lambda x: x.max() < 50),
         (gs.Box(-(2**31), 7, (50,), np.int32), lambda x: x.min() > -50 and (x <= 7).all()),
-        (gs.Box(2**62, 2**63 - 1, (50,), np.int64), lambda x: (x == 2**62).all()),
+        (gs.Box(2**62, 2**63 - 1, (50,), np.int64), lambda x: (x - 2**62 < 50).all()),
+        (gs.Box(-(2**63), -(2**62), (50,), np.int64), lambda x: (-(2**62) - x < 50).all()),
     ]
     for space, small in cases:
         xs = [utils.safe_sample(space, seed=s) for s in range(10)]
@@ -124,6 +125,23 @@ def test_safe_sample_narrow_float_boxes_far_from_zero_are_not_constant():
         x = utils.safe_sample(space, seed=0)
         assert space.contains(x) and len(np.unique(x)) > 20, x  # float32: steps of 0.25
         np.testing.assert_array_equal(utils.safe_sample(space, seed=0), x)
+
+
+def test_safe_sample_wide_boxes_away_from_zero_start_from_their_near_bound():
+    # a wide box whose bounds both lay beyond 1e6 on one side of zero had both dropped, so
+    # the normal clipped into it gave the same bound in every sample
+    for space, near in (
+        (gs.Box(2e6, 1e9, (50,), np.float64), 2e6),
+        (gs.Box(-np.inf, -3e6, (50,), np.float32), -3e6),
+        (gs.Box(2**40, 2**50, (50,), np.int64), 2**40),
+        (gs.Box(-(2**50), -(2**40), (50,), np.int64), -(2**40)),
+    ):
+        x = utils.safe_sample(space, seed=0)
+        assert space.contains(x) and len(np.unique(x)) > 1, x
+        assert (np.abs(x.astype(np.float64) - near) < 50).all(), x
+    # both bounds infinite on one side: inf - inf gives no warning (errors in this setup)
+    degenerate = gs.Box(np.array([np.inf, 0.0], np.float32), np.array([np.inf, 1.0], np.float32))
+    assert utils.safe_sample(degenerate, seed=0)[0] == np.inf
 
 
 def test_safe_sample_covers_discrete_ranges():
