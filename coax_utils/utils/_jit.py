@@ -68,13 +68,15 @@ class JittedFunc(functools.partial):
         if not callable(func):
             raise TypeError(f"func must be callable, got {type(func).__name__}")
         # frozen as tuples: the pickled options must be the ones jax.jit was given, even if
-        # the caller's list changes later (and a generator is read only once)
+        # the caller's list changes later (and a generator is read only once). Empty ones
+        # are left out, as jax.jit matches argnums to argnames only for options not given.
         options = {
             "static_argnums": _as_tuple(static_argnums, int),
             "donate_argnums": _as_tuple(donate_argnums, int),
             "static_argnames": _as_tuple(static_argnames, str),
             "donate_argnames": _as_tuple(donate_argnames, str),
         }
+        options = {k: v for k, v in options.items() if v != ()}
         self = super().__new__(cls, jax.jit(func, **options))
         self._fun = func
         self._options = options
@@ -150,7 +152,9 @@ def jit(
     method when used as a decorator inside a class, and exposes ``lower``, ``trace``,
     ``eval_shape`` and ``clear_cache`` of the underlying ``jax.jit`` object.
 
-    See :func:`jax.jit` for the meaning of the options.
+    See :func:`jax.jit` for the meaning of the options. As there, an argument made static
+    (or donated) by position is also static (donated) when passed by keyword, and the other
+    way round.
 
     Parameters
     ----------

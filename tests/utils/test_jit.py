@@ -221,3 +221,27 @@ def test_pickle_keeps_the_options_the_function_was_made_with():
     gen = utils.jit(affine, static_argnums=(i for i in [1]))
     g = pickle.loads(pickle.dumps(gen))
     assert float(g(jnp.float32(1.0), 3.0)) == 3.0
+
+
+def zeros_plus(x, n):
+    return jnp.zeros(n) + x
+
+
+def test_static_and_donated_arguments_by_position_or_keyword_as_jax_jit():
+    # unused options were passed to jax.jit as () instead of being left out, which stops
+    # jax.jit from matching argnums to argnames: a static_argnums argument given by keyword
+    # was traced (TypeError for a shape), a donated one was not donated, and functions
+    # without a signature (builtins) could not be jitted at all
+    for f in (
+        utils.jit(zeros_plus, static_argnums=1),
+        utils.jit(zeros_plus, static_argnames="n"),
+    ):
+        for g in (f, pickle.loads(pickle.dumps(f))):
+            np.testing.assert_array_equal(g(1.0, n=3), np.ones(3))
+            np.testing.assert_array_equal(g(1.0, 2), np.ones(2))
+    d = utils.jit(lambda x, y: x + y, donate_argnums=1)
+    for g in (d, pickle.loads(pickle.dumps(d))):
+        y = jnp.ones(3)
+        g(jnp.ones(3), y=y)
+        assert y.is_deleted()
+    assert utils.jit(max, static_argnums=(0, 1))(1.0, 2.0) == 2.0  # a builtin: no signature
