@@ -106,7 +106,11 @@ class JittedFunc(functools.partial):
 
     def __repr__(self) -> str:
         name = getattr(self._fun, "__qualname__", type(self._fun).__name__)
-        return f"JittedFunc({name}{self.__signature__})"
+        try:
+            signature = str(self.__signature__)
+        except (ValueError, TypeError):  # e.g. builtins: inspect finds no signature
+            signature = "(...)"
+        return f"JittedFunc({name}{signature})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         if _lookup(self) is self:

@@ -245,3 +245,11 @@ def test_static_and_donated_arguments_by_position_or_keyword_as_jax_jit():
         g(jnp.ones(3), y=y)
         assert y.is_deleted()
     assert utils.jit(max, static_argnums=(0, 1))(1.0, 2.0) == 2.0  # a builtin: no signature
+
+
+def test_repr_of_a_function_without_signature():
+    # repr raised ValueError (no signature found for builtin), e.g. in a debugger or a log
+    f = utils.jit(max, static_argnums=(0, 1))
+    assert repr(f) == "JittedFunc(max(...))"
+    with pytest.raises(ValueError):  # as for the builtin itself
+        inspect.signature(f)
