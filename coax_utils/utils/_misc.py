@@ -109,7 +109,7 @@ def enable_logging(
     fmt = (
         "[%(name)s|%(levelname)s] %(message)s"
         if name is None
-        else (f"[{name}|%(name)s|%(levelname)s] %(message)s")
+        else (f"[{str(name).replace('%', '%%')}|%(name)s|%(levelname)s] %(message)s")
     )
     formatter = logging.Formatter(fmt)
     # everything that can fail happens before the root logger is touched

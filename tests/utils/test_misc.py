@@ -135,6 +135,15 @@ def test_enable_logging_rejected_call_changes_nothing(tmp_path, restore_root_log
     assert not (tmp_path / "a.log").exists()
 
 
+def test_enable_logging_name_with_percent_signs(restore_root_logger):
+    # the name went into the %-style format string as it was: "50%" made every record fail
+    # to format (logging printed "--- Logging error ---" instead of the message)
+    utils.enable_logging("run 50%(x)")
+    (stream,) = _ours(restore_root_logger)
+    record = logging.LogRecord("x.y", logging.INFO, __file__, 1, "hello", None, None)
+    assert stream.format(record) == "[run 50%(x)|x.y|INFO] hello"
+
+
 # -- pretty_repr / pretty_print --------------------------------------------------------------
 
 
