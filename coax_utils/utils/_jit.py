@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -37,14 +38,14 @@ def _rebuild(func_or_payload: Any, by_value: bool, options: dict[str, Any]) -> J
 
 
 def _as_tuple(option: Any, single: type) -> Any:
-    """A jit option as a tuple (a single ``int``/``str`` becomes a 1-tuple); anything else
-    that is not iterable is passed on as it is, for :func:`jax.jit` to refuse."""
+    """A jit option as a tuple (a single int or str becomes a 1-tuple); None, or anything
+    else that is not iterable, as it is (jax.jit's default, or for jax.jit to refuse)."""
     if isinstance(option, single):
         return (option,)
     try:
         return tuple(option)
     except TypeError:
-        return option
+        return option if option is None else (option,)
 
 
 class JittedFunc(functools.partial):
@@ -71,12 +72,12 @@ class JittedFunc(functools.partial):
         # the caller's list changes later (and a generator is read only once). Empty ones
         # are left out, as jax.jit matches argnums to argnames only for options not given.
         options = {
-            "static_argnums": _as_tuple(static_argnums, int),
-            "donate_argnums": _as_tuple(donate_argnums, int),
+            "static_argnums": _as_tuple(static_argnums, numbers.Integral),
+            "donate_argnums": _as_tuple(donate_argnums, numbers.Integral),
             "static_argnames": _as_tuple(static_argnames, str),
             "donate_argnames": _as_tuple(donate_argnames, str),
         }
-        options = {k: v for k, v in options.items() if v != ()}
+        options = {k: v for k, v in options.items() if v is not None and v != ()}
         self = super().__new__(cls, jax.jit(func, **options))
         self._fun = func
         self._options = options

@@ -253,3 +253,16 @@ def test_repr_of_a_function_without_signature():
     assert repr(f) == "JittedFunc(max(...))"
     with pytest.raises(ValueError):  # as for the builtin itself
         inspect.signature(f)
+
+
+def test_numpy_integer_and_none_options():
+    # a NumPy integer as static_argnums made jit() fail with numpy's "truth value of an
+    # empty array is ambiguous" (the option was compared with an empty tuple)
+    for opt in (np.int64(1), np.array([1]), [np.int32(1)]):
+        f = utils.jit(zeros_plus, static_argnums=opt)
+        for g in (f, pickle.loads(pickle.dumps(f))):
+            np.testing.assert_array_equal(g(1.0, 2), np.ones(2))
+    f = utils.jit(affine, static_argnums=None, static_argnames=None)  # jax.jit's defaults
+    assert float(pickle.loads(pickle.dumps(f))(2.0, 3.0)) == 6.0
+    with pytest.raises(TypeError):
+        utils.jit(zeros_plus, static_argnums=1.5)
