@@ -93,11 +93,16 @@ class StepwiseLinearFunction:
                     f"timesteps must be strictly increasing, got {t1!r} followed by {t2!r} in "
                     f"steps {steps!r}"
                 )
-        self.steps = tuple((t, v) for t, v in zip(ts, vs))
+        self._steps = tuple((t, v) for t, v in zip(ts, vs))
         self._ts = ts
         self._vs = vs
         self._ts_arr = np.asarray(ts, np.float64)
         self._vs_arr = np.asarray(vs, np.float64)
+
+    @property
+    def steps(self) -> tuple[tuple[int | float, float], ...]:
+        """The ``(timestep, value)`` steps (read-only: make a new function for new steps)."""
+        return self._steps
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}{self.steps}"

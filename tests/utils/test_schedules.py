@@ -215,3 +215,12 @@ def test_python_int_steps_beyond_64_bits():
     np.testing.assert_allclose(f(jnp.int32(-5)), 0.5, rtol=1e-6)
     with pytest.raises(ValueError, match="finite"):
         StepwiseLinearFunction((0, 1.0), (10**400, 0.0))  # not even a float
+
+
+def test_steps_cannot_be_replaced_silently():
+    # steps was a plain attribute: assigning to it changed the repr and the checkpoint but
+    # not the values the function gave
+    f = StepwiseLinearFunction((0, 1.0), (10, 0.0))
+    with pytest.raises(AttributeError, match="steps"):
+        f.steps = ((0, 0.5), (10, 0.5))
+    assert f.steps == ((0, 1.0), (10, 0.0)) and f(5) == 0.5
