@@ -194,10 +194,25 @@ class OrnsteinUhlenbeckNoise:
         self.theta = theta
         self.min_value = min_value
         self.max_value = max_value
-        self.random_seed = random_seed
+        self._random_seed = random_seed
         self._rng = np.random.default_rng(random_seed)
         self._checked: tuple | None = None  # see _checked_params
         self.reset()
+
+    @property
+    def random_seed(self) -> int | None:
+        """The seed given to the constructor.
+
+        Read-only: setting it would not reseed the random stream. Make a new object to start
+        a new stream."""
+        return self._random_seed
+
+    @random_seed.setter
+    def random_seed(self, value: Any) -> None:
+        raise AttributeError(
+            "random_seed is fixed at construction (setting it would not reseed the random "
+            "stream); make a new OrnsteinUhlenbeckNoise(..., random_seed=...) instead"
+        )
 
     def __checkpoint_state__(self) -> dict[str, Any]:
         """The state as plain data (parameters, random generator, running noise)."""

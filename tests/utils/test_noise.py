@@ -315,3 +315,14 @@ def test_pure_functions_take_plain_sequences_as_actions():
     assert a.shape == (2,)
     with pytest.raises(ValueError, match=r"\(3,\)"):
         ou_noise_step(jax.random.key(0), [0.0, 0.0, 0.0], state)
+
+
+def test_random_seed_cannot_be_reassigned_silently():
+    # random_seed was a plain attribute: setting it (to restart a reproducible stream) did
+    # not reseed anything, the numbers went on from the old stream
+    noise = OrnsteinUhlenbeckNoise(random_seed=1)
+    with pytest.raises(AttributeError, match="random_seed"):
+        noise.random_seed = 7
+    assert noise.random_seed == 1
+    first = noise(np.zeros(2))
+    np.testing.assert_array_equal(OrnsteinUhlenbeckNoise(random_seed=1)(np.zeros(2)), first)
