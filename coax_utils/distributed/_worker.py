@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -85,9 +86,11 @@ class RolloutWorker(RemoteClass):
       statistics. ``ray.kill(worker)`` ends the actor process at any time; the server keeps
       every batch that reached it.
 
-    At most ``max_in_flight`` pushes are unacknowledged at any time; an error raised by the
-    server (e.g. a rejected batch) stops the worker and is raised by ``run``, ``stop`` and
-    ``stats``.
+    At most ``max_in_flight`` pushes are unacknowledged at any time. An error while stepping
+    or pushing (raised by the server, e.g. a rejected batch, or by the env, ``policy`` or
+    ``priority_fn``) stops the worker, in ``run`` and ``stop`` as in the background loop:
+    that call and every later ``run``, ``start``, ``stop`` and ``stats`` raise it, so the
+    worker never steps on past transitions that did not reach the server.
 
     Parameters
     ----------
@@ -252,14 +255,24 @@ class RolloutWorker(RemoteClass):
 
     def _loop(self) -> None:
         try:
-            while not self._stop_event.is_set():
-                self._step()
-        except BaseException as exc:  # reported by stop() and stats()
-            self._error = exc
+            with self._stop_on_error():
+                while not self._stop_event.is_set():
+                    self._step()
+        except BaseException:  # recorded: stop(), stats() and every later call raise it
+            pass
 
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
+
+    @contextlib.contextmanager
+    def _stop_on_error(self) -> Iterator[None]:
+        """Record an error of the block: it stops the worker (see :meth:`_raise_error`)."""
+        try:
+            yield
+        except BaseException as exc:
+            self._error = exc
+            raise
 
     # -- public methods (actor methods) ----------------------------------------------------
 
@@ -285,15 +298,20 @@ class RolloutWorker(RemoteClass):
             If ``num_steps`` is negative or not an int.
         RuntimeError
             If the worker is running in the background (after :meth:`start`).
+        Exception
+            The error that stopped the worker, in this call or before (see the class
+            docstring).
         """
         if not is_int(num_steps) or num_steps < 0:
             raise ValueError(f"num_steps must be an int >= 0, got {num_steps!r}")
         if self._thread is not None:
             raise RuntimeError("the worker is running in the background; call stop() first")
-        for _ in range(num_steps):
-            self._step()
-        while self._in_flight:
-            self._wait_oldest()
+        self._raise_error()
+        with self._stop_on_error():
+            for _ in range(num_steps):
+                self._step()
+            while self._in_flight:
+                self._wait_oldest()
         return self._stats()
 
     def start(self) -> None:
@@ -303,6 +321,8 @@ class RolloutWorker(RemoteClass):
         ------
         RuntimeError
             If the worker is already running.
+        Exception
+            The error that stopped the worker, if any.
         """
         if self._thread is not None:
             raise RuntimeError("the worker is already running")
@@ -322,15 +342,16 @@ class RolloutWorker(RemoteClass):
         Raises
         ------
         Exception
-            The error that ended the background loop, if any (e.g. the server rejected a
-            batch).
+            The error that stopped the worker, if any (e.g. the server rejected a batch), in
+            the background loop, an earlier call or this call's pushes.
         """
         if self._thread is not None:
             self._stop_event.set()
             self._thread.join()
             self._thread = None
         self._raise_error()
-        self._drain()
+        with self._stop_on_error():
+            self._drain()
         return self._stats()
 
     def stats(self) -> dict[str, Any]:
@@ -347,7 +368,7 @@ class RolloutWorker(RemoteClass):
         Raises
         ------
         Exception
-            The error that ended the background loop, if any.
+            The error that stopped the worker, if any.
         """
         self._raise_error()
         return self._stats()

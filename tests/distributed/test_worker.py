@@ -223,3 +223,50 @@ def test_worker_errors(ray_cluster):
     assert ray.get(server.size.remote()) == 0
     for w in (waiting, broken):
         ray.kill(w)
+
+
+class FailOnce:
+    """A priority_fn whose first call fails (a flaky learner-side computation)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, params, batch):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("priority_fn failed once on purpose")
+        return np.ones(batch.batch_size)
+
+
+def test_an_error_in_run_stops_the_worker_and_drops_nothing_silently(ray_cluster):
+    ray = ray_cluster
+    server = ReplayServer.remote(PrioritizedReplayBuffer(capacity=100, random_seed=0))
+    worker = RolloutWorker.remote(
+        ENV, uniform, server, 0, batch_size=4, priority_fn=FailOnce(), seed=0
+    )
+    with pytest.raises(RuntimeError, match="once on purpose"):
+        ray.get(worker.run.remote(8))
+    # the error stopped the worker: every later call raises it, none steps on without the
+    # batch that failed
+    with pytest.raises(RuntimeError, match="once on purpose"):
+        ray.get(worker.stats.remote())
+    with pytest.raises(RuntimeError, match="once on purpose"):
+        ray.get(worker.run.remote(8))
+    with pytest.raises(RuntimeError, match="once on purpose"):
+        ray.get(worker.stop.remote())
+    with pytest.raises(RuntimeError, match="once on purpose"):
+        ray.get(worker.start.remote())
+    assert ray.get(server.size.remote()) == 0
+
+    # the same in stop(): its push of the pending partial batch fails
+    late = RolloutWorker.remote(
+        ENV, uniform, server, 0, batch_size=100, priority_fn=FailOnce(), seed=0
+    )
+    assert ray.get(late.run.remote(5))["transitions_sent"] == 0
+    with pytest.raises(RuntimeError, match="once on purpose"):
+        ray.get(late.stop.remote())
+    with pytest.raises(RuntimeError, match="once on purpose"):
+        ray.get(late.stop.remote())
+    assert ray.get(server.size.remote()) == 0
+    for w in (worker, late):
+        ray.kill(w)
