@@ -96,10 +96,21 @@ class ParameterServer(RemoteClass):
         ------
         TypeError
             If ``version`` is not an int.
+        ValueError
+            If ``version`` is ahead of the latest version: the caller's parameters did not
+            come from this store as it is now (e.g. Ray restarted it, which starts it over
+            with its initial parameters), and "nothing newer" would keep the caller on them
+            until the store's count passed it.
         """
         if not is_int(version):
             raise TypeError(f"version must be an int, got {version!r}")
         with self._lock:
+            if int(version) > self._version:
+                raise ValueError(
+                    f"version {version} is ahead of this ParameterServer's latest version "
+                    f"{self._version}: the store was restarted (it starts over from its "
+                    "initial parameters) or the version came from another store"
+                )
             if self._version > int(version):
                 return self._version, self._params
             return None

@@ -75,7 +75,9 @@ class RolloutWorker(RemoteClass):
 
     Parameters come from a :class:`ParameterServer`: the worker pulls the latest version
     before its first step and then every ``sync_every`` steps (only changed parameters are
-    sent). A plain pytree (or a Ray object ref to one) instead fixes the parameters.
+    sent). A plain pytree (or a Ray object ref to one) instead fixes the parameters. A store
+    whose latest version is behind the worker's (Ray restarted it from its initial
+    parameters) raises ValueError and stops the worker rather than leave it on old ones.
 
     Two ways to run:
 

@@ -1,5 +1,7 @@
 """ParameterServer: versioned parameters on a real local Ray cluster."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,3 +50,26 @@ def test_published_parameters_are_copies_nobody_changes_in_place():
         with pytest.raises(TypeError, match="version must be an int"):
             store.get_if_newer(bad)
     assert store.get_if_newer(np.int64(0))[0] == 1
+
+
+def test_a_version_ahead_of_the_store_is_refused_not_answered_with_none(ray_cluster):
+    ray = ray_cluster
+    store = ParameterServer.options(max_restarts=1).remote({"w": np.zeros(2)})
+    for value in (1.0, 2.0):
+        ray.get(store.set.remote({"w": np.full(2, value)}))
+    assert ray.get(store.get.remote())[0] == 3  # a worker now holds version 3
+    ray.kill(store, no_restart=False)  # Ray restarts it: version 1, the initial parameters
+    deadline = time.monotonic() + 60
+    while True:  # ray.kill is asynchronous: a call may still reach the old process
+        try:
+            if ray.get(store.version.remote()) == 1:
+                break
+        except ray.exceptions.RayActorError:
+            pass
+        assert time.monotonic() < deadline, "the store did not restart"
+        time.sleep(0.1)
+    # "nothing newer" would keep the worker on version 3 while the store serves version 1
+    with pytest.raises(ValueError, match="ahead"):
+        ray.get(store.get_if_newer.remote(3))
+    assert ray.get(store.get_if_newer.remote(0))[0] == 1
+    ray.kill(store)
