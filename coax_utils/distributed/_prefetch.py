@@ -13,6 +13,10 @@ from coax_utils.replay import TransitionBatch
 
 __all__ = ["PrefetchingSampler"]
 
+# the background thread waits for a reply in slices of this many seconds, checking between
+# them whether the sampler was closed (a reply that arrives ends the wait at once)
+_WAIT_SLICE = 0.1
+
 
 def _check_count(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -52,7 +56,8 @@ class PrefetchingSampler:
     ----------
     replay : ShardedReplay
         The replay to sample from (anything with ``sample_async(batch_size, timeout)`` and
-        ``update(idx, Adv, wait=False)`` that return :class:`PendingReply`-like objects).
+        ``update(idx, Adv, wait=False)`` that return :class:`PendingReply`-like objects:
+        ``done(timeout=0.0)`` and ``result()``).
     batch_size : int
         Transitions per batch.
     num_in_flight : int, optional
@@ -153,8 +158,10 @@ class PrefetchingSampler:
     def close(self) -> None:
         """Wait for the pending priority updates and stop prefetching (idempotent).
 
-        Requests still in flight finish in the background and their batches are dropped
-        (their rate-limiter samples stay counted).
+        The background thread has ended when this returns, also while its request waits
+        without a time limit (``timeout=None``) at the rate limiter. Requests still in
+        flight are abandoned: they finish on their own and their batches are dropped (their
+        rate-limiter samples stay counted).
         """
         f = self._fetcher
         if f.closed:
@@ -163,6 +170,7 @@ class PrefetchingSampler:
         f.acknowledge(keep=0)
         with f.cond:  # and the one the background thread may be reading
             f.cond.wait_for(lambda: f.acknowledging == 0)
+        f.thread.join()
         f.raise_update_error()
 
     def __enter__(self) -> PrefetchingSampler:
@@ -212,6 +220,9 @@ class _Fetcher:
             try:
                 for _ in range(room):
                     pending.append(self.replay.sample_async(self.batch_size, self.timeout))
+                while not pending[0].done(_WAIT_SLICE):
+                    if self.closed:  # stop() came while the reply waited (without limit)
+                        return
                 item = (pending.popleft().result(), None)
             except BaseException as exc:  # handed to the learner by sample()
                 item = (None, exc)

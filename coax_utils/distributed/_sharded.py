@@ -192,12 +192,15 @@ class PendingReply:
         self._extra = extra or {}
         self._outcome: tuple[bool, Any] | None = None  # (ok, result or error) once known
 
-    def done(self) -> bool:
-        """Whether every reply has arrived (or failed): :meth:`result` then returns at once."""
+    def done(self, timeout: float = 0.0) -> bool:
+        """Whether every reply has arrived (or failed): :meth:`result` then returns at once.
+
+        Waits up to ``timeout`` seconds for the replies (default 0: just looks).
+        """
         refs = list(self._refs.values())
         if not refs:
             return True
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         return len(ready) == len(refs)
 
     def result(self) -> Any:

@@ -214,3 +214,22 @@ def test_closing_a_prefetching_sampler_wakes_a_sample_waiting_in_another_thread(
     waiter.join(timeout=10)
     assert not waiter.is_alive()
     assert len(outcome) == 1 and "closed" in str(outcome[0])
+
+
+def test_closing_a_prefetching_sampler_ends_its_thread_while_the_limiter_holds_a_sample(
+    ray_cluster,
+):
+    # timeout=None: the background thread's request waits at the limiter for inserts that
+    # never come; close() must not leave that thread (and its requests) behind for good
+    import threading
+
+    from coax_utils.distributed import PrefetchingSampler
+
+    limiter = RateLimiter.remote(min_size_to_sample=100, samples_per_insert=1.0, error_buffer=64.0)
+    replay = ShardedReplay([SimpleReplayBuffer(50)], rate_limiter=limiter, timeout=60.0)
+    replay.add(make_batch(0, 0, 4))
+    before = set(threading.enumerate())
+    sampler = PrefetchingSampler(replay, 4, num_in_flight=2, timeout=None)
+    (thread,) = [t for t in threading.enumerate() if t not in before and t.name == "prefetch"]
+    sampler.close()
+    assert not thread.is_alive()  # close() returns once the thread ended
