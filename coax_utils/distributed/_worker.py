@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from coax_utils._checks import is_int
+from coax_utils._checks import check_float, check_seed, is_int
 from coax_utils.distributed._actor import RemoteClass
 from coax_utils.replay import NStep, TransitionBatch
 
@@ -56,10 +56,8 @@ def _check_args(
     ):
         if not is_int(value) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if not 0.0 <= float(gamma) <= 1.0:
-        raise ValueError(f"gamma must lie in [0, 1], got {gamma!r}")
-    if seed is not None and not is_int(seed):
-        raise TypeError(f"seed must be None or an int, got {seed!r}")
+    check_float(gamma, "gamma", 0.0, 1.0)
+    check_seed(seed, "seed")
 
 
 class RolloutWorker(RemoteClass):
@@ -107,7 +105,7 @@ class RolloutWorker(RemoteClass):
     n : int
         Number of steps of the n-step returns.
     gamma : float
-        Discount factor in [0, 1].
+        Discount factor in [0, 1] (a real number: not a string or a bool).
     batch_size : int
         Transitions per push to the server.
     priority_fn : callable, optional
@@ -117,7 +115,7 @@ class RolloutWorker(RemoteClass):
     max_in_flight : int
         Pushes that may await the server's acknowledgement (0: every push waits).
     seed : int, optional
-        Seeds the env's first reset, its action space and ``rng``.
+        Seeds the env's first reset, its action space and ``rng`` (>= 0).
 
     Raises
     ------

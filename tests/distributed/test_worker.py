@@ -270,3 +270,18 @@ def test_an_error_in_run_stops_the_worker_and_drops_nothing_silently(ray_cluster
     assert ray.get(server.size.remote()) == 0
     for w in (worker, late):
         ray.kill(w)
+
+
+def test_arguments_the_actor_would_die_on_are_refused_by_remote(ray_cluster):
+    # each of these used to pass RolloutWorker.remote and kill the actor in its constructor
+    # (NStep or NumPy refusing them), so the error only came as RayActorError on a later call
+    ray = ray_cluster
+    server = ReplayServer.remote(SimpleReplayBuffer(capacity=10))
+    for gamma in ("0.5", True):
+        with pytest.raises(TypeError, match="gamma"):
+            RolloutWorker.remote(ENV, greedy, server, 0, gamma=gamma)
+    with pytest.raises(ValueError, match="seed"):
+        RolloutWorker.remote(ENV, greedy, server, 0, seed=-1)
+    worker = RolloutWorker.remote(ENV, uniform, server, 0, gamma=np.float32(0.5), seed=0)
+    assert ray.get(worker.run.remote(3))["steps"] == 3
+    ray.kill(worker)
