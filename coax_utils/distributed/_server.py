@@ -16,6 +16,11 @@ _BUFFER_METHODS = ("add", "sample", "__len__")
 
 
 def _check_buffer(buffer: Any) -> None:
+    if isinstance(buffer, type):  # its methods are callable too, but it holds nothing
+        raise TypeError(
+            f"ReplayServer needs a host replay buffer instance, got the class "
+            f"{buffer.__name__}; pass e.g. {buffer.__name__}(capacity=...)"
+        )
     missing = [name for name in _BUFFER_METHODS if not callable(getattr(buffer, name, None))]
     if missing:
         raise TypeError(
@@ -71,8 +76,8 @@ class ReplayServer(RemoteClass):
     Raises
     ------
     TypeError
-        If ``buffer`` lacks ``add``, ``sample`` or ``__len__`` (raised by
-        ``ReplayServer.remote`` in the calling process).
+        If ``buffer`` is a class rather than a buffer, or lacks ``add``, ``sample`` or
+        ``__len__`` (raised by ``ReplayServer.remote`` in the calling process).
 
     Examples
     --------

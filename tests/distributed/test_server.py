@@ -226,3 +226,13 @@ def test_size_follows_num_added_when_adds_are_refused():
         server.add(make_batch(1, 0, 1), np.array([-1.0]))  # signed Adv is fine
         assert server.size() == min(server.num_added(), 3)
     assert server.num_added() == 5
+
+
+def test_a_buffer_class_instead_of_a_buffer_is_refused_by_remote(ray_cluster):
+    # the class has add, sample and __len__ as functions: it used to pass the check, and the
+    # actor died in its constructor (len of a class), seen only as RayActorError later
+    for cls in (SimpleReplayBuffer, PrioritizedReplayBuffer):
+        with pytest.raises(TypeError, match="got the class"):
+            ReplayServer.remote(cls)
+        with pytest.raises(TypeError, match="got the class"):
+            ReplayServer(cls)
