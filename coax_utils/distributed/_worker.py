@@ -75,7 +75,7 @@ class RolloutWorker(RemoteClass):
     before its first step and then every ``sync_every`` steps (only changed parameters are
     sent). A plain pytree (or a Ray object ref to one) instead fixes the parameters. A store
     whose latest version is behind the worker's (Ray restarted it from its initial
-    parameters) raises ValueError and stops the worker rather than leave it on old ones.
+    parameters) makes the pull raise ValueError rather than leave the worker on old ones.
 
     Two ways to run:
 
@@ -90,7 +90,9 @@ class RolloutWorker(RemoteClass):
     or pushing (raised by the server, e.g. a rejected batch, or by the env, ``policy`` or
     ``priority_fn``) stops the worker, in ``run`` and ``stop`` as in the background loop:
     that call and every later ``run``, ``start``, ``stop`` and ``stats`` raise it, so the
-    worker never steps on past transitions that did not reach the server.
+    worker never steps on past transitions that did not reach the server. A failed
+    parameter pull (e.g. nothing published yet) changes nothing: ``run`` raises it and may
+    be called again; in the background loop it stops the worker too.
 
     Parameters
     ----------
@@ -207,28 +209,29 @@ class RolloutWorker(RemoteClass):
                 self._version, self._params = newer
 
     def _step(self) -> None:
-        self._sync_params()
-        if self._obs is None:
-            self._obs, _ = self._env.reset(seed=self._seed if self._episodes == 0 else None)
-            self._episode_return = 0.0
-        a = self._policy(self._params, self._obs, self._rng)
-        s_next, r, terminated, truncated, _ = self._env.step(a)
-        self._steps += 1
-        self._episode_return += float(r)
-        self._tracer.add(self._obs, a, r, terminated, truncated=truncated, s_next=s_next)
-        while self._tracer:
-            self._pending.append(self._tracer.pop())
-        if terminated or truncated:
-            self._episodes += 1
-            with self._returns_lock:
-                self._returns.append(self._episode_return)
-            self._obs = None
-        else:
-            self._obs = s_next
-        while len(self._pending) >= self._batch_size:
-            batch = TransitionBatch.concatenate(*self._pending[: self._batch_size])
-            del self._pending[: self._batch_size]
-            self._push(batch)
+        self._sync_params()  # changes nothing when it raises: run() may be called again
+        with self._stop_on_error():
+            if self._obs is None:
+                self._obs, _ = self._env.reset(seed=self._seed if self._episodes == 0 else None)
+                self._episode_return = 0.0
+            a = self._policy(self._params, self._obs, self._rng)
+            s_next, r, terminated, truncated, _ = self._env.step(a)
+            self._steps += 1
+            self._episode_return += float(r)
+            self._tracer.add(self._obs, a, r, terminated, truncated=truncated, s_next=s_next)
+            while self._tracer:
+                self._pending.append(self._tracer.pop())
+            if terminated or truncated:
+                self._episodes += 1
+                with self._returns_lock:
+                    self._returns.append(self._episode_return)
+                self._obs = None
+            else:
+                self._obs = s_next
+            while len(self._pending) >= self._batch_size:
+                batch = TransitionBatch.concatenate(*self._pending[: self._batch_size])
+                del self._pending[: self._batch_size]
+                self._push(batch)
 
     def _push(self, batch: TransitionBatch) -> None:
         Adv = None
@@ -307,9 +310,9 @@ class RolloutWorker(RemoteClass):
         if self._thread is not None:
             raise RuntimeError("the worker is running in the background; call stop() first")
         self._raise_error()
+        for _ in range(num_steps):
+            self._step()
         with self._stop_on_error():
-            for _ in range(num_steps):
-                self._step()
             while self._in_flight:
                 self._wait_oldest()
         return self._stats()

@@ -268,7 +268,15 @@ def test_an_error_in_run_stops_the_worker_and_drops_nothing_silently(ray_cluster
     with pytest.raises(RuntimeError, match="once on purpose"):
         ray.get(late.stop.remote())
     assert ray.get(server.size.remote()) == 0
-    for w in (worker, late):
+
+    # a failed parameter pull changes nothing: run() may be called again once published
+    store = ParameterServer.remote()
+    early = RolloutWorker.remote(ENV, uniform, server, store, batch_size=1)
+    with pytest.raises(ValueError, match="no parameters yet"):
+        ray.get(early.run.remote(3))
+    ray.get(store.set.remote(0))
+    assert ray.get(early.run.remote(3))["params_version"] == 1
+    for w in (worker, late, early):
         ray.kill(w)
 
 
