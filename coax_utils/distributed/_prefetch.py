@@ -220,10 +220,11 @@ class _Fetcher:
             try:
                 for _ in range(room):
                     pending.append(self.replay.sample_async(self.batch_size, self.timeout))
-                while not pending[0].done(_WAIT_SLICE):
+                reply = pending.popleft()
+                while not reply.done(_WAIT_SLICE):
                     if self.closed:  # stop() came while the reply waited (without limit)
                         return
-                item = (pending.popleft().result(), None)
+                item = (reply.result(), None)
             except BaseException as exc:  # handed to the learner by sample()
                 item = (None, exc)
             with self.cond:
