@@ -25,13 +25,20 @@ def _to_host(params: Any) -> Any:
     return jax.tree_util.tree_map(_frozen_copy, params)
 
 
+def _containers_copy(params: Any) -> Any:
+    # New dicts/lists around the shared read-only leaves: a reader that assigns into its
+    # copy (in-process) changes nothing for the store or the other readers.
+    return None if params is None else jax.tree_util.tree_map(lambda x: x, params)
+
+
 class ParameterServer(RemoteClass):
     """A Ray actor holding the latest policy parameters with a version number.
 
     The learner publishes with ``set``; rollout workers poll with ``get_if_newer`` and
     receive the parameters only when they changed. Leaves are stored as read-only copies
-    (NumPy arrays), so neither the publisher nor a reader can change published parameters
-    in place, also when the class is used in-process.
+    (NumPy arrays) and every reader gets containers (dicts, lists) of its own, so neither
+    the publisher nor a reader can change published parameters in place, also when the
+    class is used in-process.
 
     Parameters
     ----------
@@ -82,7 +89,8 @@ class ParameterServer(RemoteClass):
     def get(self) -> tuple[int, Any]:
         """Return ``(version, params)``; ``(0, None)`` before anything was published."""
         with self._lock:
-            return self._version, self._params
+            version, params = self._version, self._params
+        return version, _containers_copy(params)
 
     def get_if_newer(self, version: int) -> tuple[int, Any] | None:
         """Return ``(version, params)`` if newer than ``version``, else None.
@@ -111,9 +119,10 @@ class ParameterServer(RemoteClass):
                     f"{self._version}: the store was restarted (it starts over from its "
                     "initial parameters) or the version came from another store"
                 )
-            if self._version > int(version):
-                return self._version, self._params
-            return None
+            if self._version <= int(version):
+                return None
+            newer, params = self._version, self._params
+        return newer, _containers_copy(params)
 
     def version(self) -> int:
         """The version number of the latest parameters (0 if none were published)."""

@@ -73,3 +73,16 @@ def test_a_version_ahead_of_the_store_is_refused_not_answered_with_none(ray_clus
         ray.get(store.get_if_newer.remote(3))
     assert ray.get(store.get_if_newer.remote(0))[0] == 1
     ray.kill(store)
+
+
+def test_a_reader_that_rebinds_a_leaf_of_its_copy_changes_nothing_for_the_others():
+    # in-process: the leaves were read-only, but every reader got the store's own dicts, so
+    # assigning into one (a common way to "edit" haiku params) changed what all others got
+    store = ParameterServer({"linear": {"w": np.array([1.0, 2.0])}})
+    _, mine = store.get()
+    mine["linear"]["w"] = np.zeros(2)
+    mine["extra"] = np.ones(1)
+    _, newer = store.get_if_newer(0)
+    for _, got in (store.get(), (1, newer)):
+        assert set(got) == {"linear"}
+        np.testing.assert_array_equal(got["linear"]["w"], [1.0, 2.0])
