@@ -13,10 +13,6 @@ from coax_utils.replay import TransitionBatch
 
 __all__ = ["PrefetchingSampler"]
 
-# the background thread waits for a reply in slices of this many seconds, checking between
-# them whether the sampler was closed (a reply that arrives ends the wait at once)
-_WAIT_SLICE = 0.1
-
 
 def _check_count(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -57,7 +53,7 @@ class PrefetchingSampler:
     replay : ShardedReplay
         The replay to sample from (anything with ``sample_async(batch_size, timeout)`` and
         ``update(idx, Adv, wait=False)`` that return :class:`PendingReply`-like objects:
-        ``done(timeout=0.0)`` and ``result()``).
+        ``done()`` and ``result(abort=None)``).
     batch_size : int
         Transitions per batch.
     num_in_flight : int, optional
@@ -220,11 +216,8 @@ class _Fetcher:
             try:
                 for _ in range(room):
                     pending.append(self.replay.sample_async(self.batch_size, self.timeout))
-                reply = pending.popleft()
-                while not reply.done(_WAIT_SLICE):
-                    if self.closed:  # stop() came while the reply waited (without limit)
-                        return
-                item = (reply.result(), None)
+                # abort: stop() ends the wait also while it has no time limit (the limiter)
+                item = (pending.popleft().result(abort=lambda: self.closed), None)
             except BaseException as exc:  # handed to the learner by sample()
                 item = (None, exc)
             with self.cond:

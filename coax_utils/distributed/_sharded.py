@@ -8,6 +8,7 @@ import math
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -24,6 +25,7 @@ _MANIFEST = "sharded_replay.json"
 _MANIFEST_VERSION = 3
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _SHARD_FILE = re.compile(r"shard-([0-9]+)-[0-9a-f]{32}\.lz4")  # shard-<i>-<save token>.lz4
+_WAIT_SLICE = 0.1  # seconds between the checks of an abortable wait (PendingReply.result)
 
 
 class ReplayShardError(RuntimeError):
@@ -192,34 +194,41 @@ class PendingReply:
         self._extra = extra or {}
         self._outcome: tuple[bool, Any] | None = None  # (ok, result or error) once known
 
-    def done(self, timeout: float = 0.0) -> bool:
-        """Whether every reply has arrived (or failed): :meth:`result` then returns at once.
-
-        Waits up to ``timeout`` seconds for the replies (default 0: just looks).
-        """
+    def done(self) -> bool:
+        """Whether every reply has arrived (or failed): :meth:`result` then returns at once."""
         refs = list(self._refs.values())
         if not refs:
             return True
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         return len(ready) == len(refs)
 
-    def result(self) -> Any:
+    def result(self, *, abort: Callable[[], bool] | None = None) -> Any:
         """Wait for the replies and return the call's result.
 
         A later call returns the same result (or raises the same error) again: the replies
         are combined once (a sample's per-shard counts are drawn once).
 
+        Parameters
+        ----------
+        abort : callable, optional
+            Asked at least every 0.1 s while a reply is awaited (the time limits still
+            apply); once it returns True the replies are abandoned and RuntimeError is
+            raised. A thread waiting without a time limit (e.g. for the rate limiter) can
+            thus be told to stop.
+
         Raises
         ------
         ReplayShardError, TimeoutError
             If a shard (or the limiter) died or did not answer in time.
+        RuntimeError
+            If ``abort()`` returned True before every reply arrived.
         Exception
             A shard's or the limiter's own error (e.g. the limiter's TimeoutError).
         """
         if self._outcome is None:
             try:
                 replies = {
-                    key: self._replay._get(ref, key, self._extra.get(key, 0.0))
+                    key: self._replay._get(ref, key, self._extra.get(key, 0.0), abort)
                     for key, ref in self._refs.items()
                 }
                 self._outcome = (True, self._finish(replies))
@@ -401,9 +410,24 @@ class ShardedReplay:
             return "the rate limiter"
         return f"replay shard {shard} of {self.num_shards}"
 
-    def _get(self, ref: Any, shard: int | None, extra: float | None = 0.0) -> Any:
-        """``ray.get`` one reply with the client's time limit (plus ``extra``; None: none)."""
+    def _get(
+        self,
+        ref: Any,
+        shard: int | None,
+        extra: float | None = 0.0,
+        abort: Callable[[], bool] | None = None,
+    ) -> Any:
+        """``ray.get`` one reply with the client's time limit (plus ``extra``; None: none);
+        with ``abort``, wait in slices of 0.1 s and raise RuntimeError once it returns True."""
         timeout = None if self.timeout is None or extra is None else self.timeout + extra
+        if abort is not None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not ray.wait([ref], timeout=_WAIT_SLICE)[0]:
+                if abort():
+                    raise RuntimeError(f"the wait for {self._name(shard)} was abandoned")
+                if deadline is not None and time.monotonic() >= deadline:
+                    break  # ray.get below raises the TimeoutError
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             return ray.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
