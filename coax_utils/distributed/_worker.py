@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from coax_utils.replay import NStep, TransitionBatch
 __all__ = ["RolloutWorker"]
 
 _RETURNS_KEPT = 100
+_WAIT_SLICE = 0.1  # seconds between the checks of an interruptible wait for the server
 
 
 def _check_args(
@@ -82,9 +84,9 @@ class RolloutWorker(RemoteClass):
     - ``run(num_steps)``: take exactly ``num_steps`` env steps, push every finished batch
       and return the statistics (blocking; good for tests and synchronous schedules);
     - ``start()`` / ``stop()``: step in a background thread of the actor until ``stop()``,
-      which pushes what is pending, waits for the server's acknowledgements and returns the
-      statistics. ``ray.kill(worker)`` ends the actor process at any time; the server keeps
-      every batch that reached it.
+      which pushes what is pending, waits for the server's acknowledgements (at most
+      ``stop(timeout)`` seconds) and returns the statistics. ``ray.kill(worker)`` ends the
+      actor process at any time; the server keeps every batch that reached it.
 
     At most ``max_in_flight`` pushes are unacknowledged at any time. An error while stepping
     or pushing (raised by the server, e.g. a rejected batch, or by the env, ``policy`` or
@@ -232,6 +234,11 @@ class RolloutWorker(RemoteClass):
                 batch = TransitionBatch.concatenate(*self._pending[: self._batch_size])
                 del self._pending[: self._batch_size]
                 self._push(batch)
+                # at most max_in_flight unacknowledged; stop() interrupts this wait (which
+                # lasts while a rate-limited shard holds the adds): the pushes stay in flight
+                while len(self._in_flight) > self._max_in_flight:
+                    if not self._wait_oldest(interrupt=self._stop_event.is_set):
+                        return
 
     def _push(self, batch: TransitionBatch) -> None:
         Adv = None
@@ -239,22 +246,23 @@ class RolloutWorker(RemoteClass):
             Adv = np.asarray(self._priority_fn(self._params, batch))
         self._in_flight.append((self._server.add.remote(batch, Adv), batch.batch_size))
         self._sent += batch.batch_size
-        while len(self._in_flight) > self._max_in_flight:
-            self._wait_oldest()
 
-    def _wait_oldest(self) -> None:
+    def _wait_oldest(
+        self, deadline: float | None = None, interrupt: Callable[[], bool] | None = None
+    ) -> bool:
+        """Wait for the oldest push's acknowledgement; False (it stays in flight) if
+        ``deadline`` (``time.monotonic``) passed or ``interrupt()`` came first."""
         ref, count = self._in_flight[0]
+        if deadline is not None or interrupt is not None:
+            while not ray.wait([ref], timeout=_WAIT_SLICE)[0]:
+                if interrupt is not None and interrupt():
+                    return False
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
         ray.get(ref)
         self._in_flight.popleft()
         self._added += count
-
-    def _drain(self) -> None:
-        if self._pending:
-            batch = TransitionBatch.concatenate(*self._pending)
-            self._pending.clear()
-            self._push(batch)
-        while self._in_flight:
-            self._wait_oldest()
+        return True
 
     def _loop(self) -> None:
         try:
@@ -334,8 +342,15 @@ class RolloutWorker(RemoteClass):
         self._thread = threading.Thread(target=self._loop, name="rollout", daemon=True)
         self._thread.start()
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self, timeout: float | None = None) -> dict[str, Any]:
         """Stop the background loop, push what is pending, wait for the server.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait at most for the server's acknowledgements (None: no limit). A
+            shard with a rate limiter holds adds until the learner samples, so once the
+            learner has stopped, only a timeout (or ``ray.kill``) ends the wait.
 
         Returns
         -------
@@ -344,17 +359,38 @@ class RolloutWorker(RemoteClass):
 
         Raises
         ------
+        TypeError, ValueError
+            For a ``timeout`` that is not None or a finite number >= 0 (nothing is changed).
+        TimeoutError
+            If pushes were not acknowledged within ``timeout``. The worker is stopped and
+            the pushes stay in flight: a later ``stop`` (or ``run``) waits for them again.
         Exception
             The error that stopped the worker, if any (e.g. the server rejected a batch), in
             the background loop, an earlier call or this call's pushes.
         """
+        if timeout is not None:
+            check_float(timeout, "timeout", 0.0)
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._thread is not None:
             self._stop_event.set()
-            self._thread.join()
+            self._thread.join()  # the loop ends after its step, also while a push waits
             self._thread = None
+            self._stop_event.clear()
         self._raise_error()
         with self._stop_on_error():
-            self._drain()
+            if self._pending:
+                batch = TransitionBatch.concatenate(*self._pending)
+                self._pending.clear()
+                self._push(batch)
+            while self._in_flight and self._wait_oldest(deadline):
+                pass
+        if self._in_flight:
+            pushes = sum(count for _, count in self._in_flight)
+            raise TimeoutError(
+                f"{pushes} transitions pushed were not acknowledged by the server within "
+                f"{timeout} s (a rate-limited shard holds adds until the learner samples); "
+                "call stop() again to wait on, or ray.kill the worker"
+            )
         return self._stats()
 
     def stats(self) -> dict[str, Any]:

@@ -293,3 +293,31 @@ def test_arguments_the_actor_would_die_on_are_refused_by_remote(ray_cluster):
     worker = RolloutWorker.remote(ENV, uniform, server, 0, gamma=np.float32(0.5), seed=0)
     assert ray.get(worker.run.remote(3))["steps"] == 3
     ray.kill(worker)
+
+
+def test_stop_with_a_timeout_returns_while_a_rate_limited_shard_holds_the_pushes(ray_cluster):
+    # the learner stopped sampling: the shard's adds wait for the limiter (no insert_timeout),
+    # so stop() used to wait for their acknowledgements for good
+    from coax_utils.distributed import RateLimiter, ShardedReplay
+
+    ray = ray_cluster
+    # inserts wait once 2 transitions are in and nothing was sampled
+    limiter = RateLimiter.remote(min_size_to_sample=1, samples_per_insert=1.0, error_buffer=1.0)
+    replay = ShardedReplay([SimpleReplayBuffer(100)], rate_limiter=limiter)
+    worker = RolloutWorker.remote(
+        ENV, uniform, replay.shards[0], 0, batch_size=1, max_in_flight=1, seed=0
+    )
+    ray.get(worker.start.remote())
+    _wait_until(lambda: ray.get(worker.stats.remote())["transitions_sent"] >= 3)
+    with pytest.raises(TypeError, match="timeout"):
+        ray.get(worker.stop.remote(timeout="1"))
+    with pytest.raises(TimeoutError, match="not acknowledged"):
+        ray.get(worker.stop.remote(timeout=0.5))
+    stats = ray.get(worker.stats.remote())  # stopped, not failed: the pushes are in flight
+    assert stats["transitions_added"] == 2 < stats["transitions_sent"]
+
+    replay.sample(2)  # the learner samples: the limiter lets the held adds in
+    final = ray.get(worker.stop.remote(timeout=60.0))
+    assert final["transitions_added"] == final["transitions_sent"] == replay.size()
+    assert ray.get(worker.run.remote(0))["steps"] == final["steps"]  # usable again
+    ray.kill(worker)
