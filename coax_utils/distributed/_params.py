@@ -40,6 +40,12 @@ class ParameterServer(RemoteClass):
     the publisher nor a reader can change published parameters in place, also when the
     class is used in-process.
 
+    Keep Ray's default of one call at a time (``max_concurrency=1``): Ray then applies the
+    ``set`` calls of the learner in the order it sent them. An actor started with more
+    threads may apply two ``set`` calls in flight in either order, so that older parameters
+    end up published under the newer version; there, wait for each ``set`` (``ray.get``)
+    before sending the next.
+
     Parameters
     ----------
     params : pytree, optional

@@ -86,7 +86,10 @@ class RolloutWorker(RemoteClass):
     - ``start()`` / ``stop()``: step in a background thread of the actor until ``stop()``,
       which pushes what is pending, waits for the server's acknowledgements (at most
       ``stop(timeout)`` seconds) and returns the statistics. ``ray.kill(worker)`` ends the
-      actor process at any time; the server keeps every batch that reached it.
+      actor process at any time; the server keeps every batch that reached it. A worker
+      that Ray restarts (``max_restarts``) starts over as constructed: statistics at 0, no
+      background loop until ``start()`` is called again, and with a ``seed`` the same
+      episodes again.
 
     At most ``max_in_flight`` pushes are unacknowledged at any time. An error while stepping
     or pushing (raised by the server, e.g. a rejected batch, or by the env, ``policy`` or
