@@ -238,17 +238,19 @@ def test_closing_a_prefetching_sampler_ends_its_thread_while_the_limiter_holds_a
 def test_a_prefetching_sampler_keeps_the_client_time_limit_on_an_unresponsive_limiter(
     ray_cluster,
 ):
-    # 64 samples waiting without limit take every thread of the limiter, so the sampler's
-    # request is never even read: the client's limit (timeout + the sampler's) must fire
+    # 80 samples waiting without limit take every one of the limiter's 64 threads, so the
+    # sampler's request is not even read: the client's limit (timeout + the sampler's) must
+    # fire. (Ray does not promise threaded actors run calls in order: should the request
+    # overtake 17 earlier ones and get a thread, the limiter's own 0.5 s limit fires.)
     from coax_utils.distributed import PrefetchingSampler
 
     ray = ray_cluster
     limiter = RateLimiter.remote(min_size_to_sample=100, samples_per_insert=1.0, error_buffer=64.0)
     replay = ShardedReplay([SimpleReplayBuffer(50)], rate_limiter=limiter, timeout=1.0)
     replay.add(make_batch(0, 0, 4))
-    blocked = [limiter.sample.remote(1, None) for _ in range(64)]
+    blocked = [limiter.sample.remote(1, None) for _ in range(80)]
     with PrefetchingSampler(replay, 4, num_in_flight=1, timeout=0.5) as sampler:
-        with pytest.raises(TimeoutError, match="the rate limiter did not answer within"):
+        with pytest.raises(TimeoutError, match="the rate limiter did not answer within|waited"):
             sampler.sample()
     ray.kill(limiter)
     del blocked
