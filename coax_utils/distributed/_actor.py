@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import ray
 
-__all__ = ["RemoteClass"]
+__all__ = ["RemoteClass", "wait_ready"]
+
+_WAIT_SLICE = 0.1  # seconds between the checks of an interruptible wait
+
+
+def wait_ready(
+    ref: Any, deadline: float | None = None, interrupt: Callable[[], bool] | None = None
+) -> bool:
+    """Wait until the object ``ref`` is ready (True), in slices of 0.1 s; False as soon as
+    ``interrupt()`` returns True or the ``deadline`` (``time.monotonic``) has passed.
+
+    A plain ``ray.get`` cannot be told to stop; this wait can, e.g. by ``close()`` or
+    ``stop()`` from another thread while the reply waits for a rate limiter."""
+    while not ray.wait([ref], timeout=_WAIT_SLICE)[0]:
+        if interrupt is not None and interrupt():
+            return False
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+    return True
 
 
 class _Hidden:

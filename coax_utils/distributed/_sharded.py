@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 import ray
 
+from coax_utils.distributed._actor import wait_ready
 from coax_utils.distributed._server import ReplayServer
 from coax_utils.replay import PrioritizedReplayBuffer, TransitionBatch
 
@@ -25,7 +26,6 @@ _MANIFEST = "sharded_replay.json"
 _MANIFEST_VERSION = 3
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _SHARD_FILE = re.compile(r"shard-([0-9]+)-[0-9a-f]{32}\.lz4")  # shard-<i>-<save token>.lz4
-_WAIT_SLICE = 0.1  # seconds between the checks of an abortable wait (PendingReply.result)
 
 
 class ReplayShardError(RuntimeError):
@@ -422,11 +422,9 @@ class ShardedReplay:
         timeout = None if self.timeout is None or extra is None else self.timeout + extra
         if abort is not None:
             deadline = None if timeout is None else time.monotonic() + timeout
-            while not ray.wait([ref], timeout=_WAIT_SLICE)[0]:
-                if abort():
-                    raise RuntimeError(f"the wait for {self._name(shard)} was abandoned")
-                if deadline is not None and time.monotonic() >= deadline:
-                    break  # ray.get below raises the TimeoutError
+            if not wait_ready(ref, deadline, abort) and abort():
+                raise RuntimeError(f"the wait for {self._name(shard)} was abandoned")
+            # past the deadline: ray.get below raises the TimeoutError
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             return ray.get(ref, timeout=timeout)

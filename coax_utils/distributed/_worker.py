@@ -13,13 +13,12 @@ import numpy as np
 import ray
 
 from coax_utils._checks import check_float, check_seed, is_int
-from coax_utils.distributed._actor import RemoteClass
+from coax_utils.distributed._actor import RemoteClass, wait_ready
 from coax_utils.replay import NStep, TransitionBatch
 
 __all__ = ["RolloutWorker"]
 
 _RETURNS_KEPT = 100
-_WAIT_SLICE = 0.1  # seconds between the checks of an interruptible wait for the server
 
 
 def _check_args(
@@ -256,12 +255,10 @@ class RolloutWorker(RemoteClass):
         """Wait for the oldest push's acknowledgement; False (it stays in flight) if
         ``deadline`` (``time.monotonic``) passed or ``interrupt()`` came first."""
         ref, count = self._in_flight[0]
-        if deadline is not None or interrupt is not None:
-            while not ray.wait([ref], timeout=_WAIT_SLICE)[0]:
-                if interrupt is not None and interrupt():
-                    return False
-                if deadline is not None and time.monotonic() >= deadline:
-                    return False
+        if (deadline is not None or interrupt is not None) and not wait_ready(
+            ref, deadline, interrupt
+        ):
+            return False
         ray.get(ref)
         self._in_flight.popleft()
         self._added += count
