@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +71,9 @@ class DiskSource:
     through :func:`jax.experimental.io_callback` in chunks: whenever the current chunk is
     used up, one callback loads the next ``prefetch_size`` samples of the epoch's order
     into a buffer, and the following ``next`` calls read from that buffer. Every index is
-    fetched exactly once per epoch; the mask of every item is a scalar ``True``.
+    fetched exactly once per epoch; the mask of every item is a scalar ``True``. Each
+    sample is copied out of what ``sample_fn`` returned before ``sample_fn`` is called
+    again, so a reader that fills and returns one reused array is fine.
 
     Parameters
     ----------
@@ -161,7 +162,6 @@ class DiskSource:
             for s in self._spec_leaves
         ]
         self._dtype_cache: dict[tuple[np.dtype, np.dtype], bool] = {}
-        self._treedef_cache: dict[int, Any] = {}
 
     @property
     def steps_per_epoch(self) -> int:
@@ -228,40 +228,26 @@ class DiskSource:
         return arrays
 
     def _fetch(self, indices: np.ndarray, count: np.ndarray) -> list[np.ndarray]:
-        """Host side of the prefetch: stack ``sample_fn(i)`` for the first ``count`` indices."""
-        index_list = np.asarray(indices)[: int(np.asarray(count))].tolist()
-        samples = [self._call(index) for index in index_list]
-        out = [np.zeros(s.shape, s.dtype) for s in self._chunk_leaves]
-        rows, width = len(samples), len(out)
-        try:
-            # One flatten for the whole chunk; any mismatch falls through to the slow path.
-            leaves, treedef = jax.tree_util.tree_flatten(samples)
-            if treedef != self._chunk_treedef(rows):
-                raise ValueError("structure")
-            for k, (buf, spec) in enumerate(zip(out, self._spec_leaves)):
-                column = [np.asarray(leaf) for leaf in leaves[k::width]]
-                dtypes = {a.dtype for a in column}
-                if not all(self._dtype_matches(dt, spec) for dt in dtypes):
-                    raise ValueError("dtype")
-                if dtypes != {spec.dtype}:  # 64-bit values narrowed: check that they fit
-                    for a in column:
-                        check_fits(a, spec.dtype, "")
-                if rows:
-                    np.stack(column, out=buf[:rows])  # raises on a shape mismatch
-        except ValueError:
-            # Something does not match the spec: find the first offending sample and say so.
-            for index, sample in zip(index_list, samples):
-                self._checked_leaves(index, sample)
-            raise
-        return out
+        """Host side of the prefetch: ``sample_fn(i)`` for the first ``count`` indices, stacked.
 
-    def _chunk_treedef(self, rows: int) -> Any:
-        treedef = self._treedef_cache.get(rows)
-        if treedef is None:
-            example = jax.tree_util.tree_unflatten(self._spec_treedef, self._spec_leaves)
-            treedef = jax.tree_util.tree_structure([example] * rows)
-            self._treedef_cache[rows] = treedef
-        return treedef
+        Each sample is copied into its row before the next call, so a ``sample_fn`` that
+        fills and returns the same array on every call still gives each sample once.
+        """
+        index_list = np.asarray(indices)[: int(np.asarray(count))].tolist()
+        out = [np.zeros(s.shape, s.dtype) for s in self._chunk_leaves]
+        targets = list(zip(out, self._spec_leaves))
+        for row, index in enumerate(index_list):
+            sample = self._call(index)
+            leaves, treedef = jax.tree_util.tree_flatten(sample)
+            if treedef != self._spec_treedef:
+                self._checked_leaves(index, sample)  # raises, naming the difference
+            for (buf, spec), leaf in zip(targets, leaves):
+                array = np.asarray(leaf)
+                if array.shape != spec.shape or array.dtype != spec.dtype:
+                    # raises unless these are 64-bit values that fit the narrower dtype
+                    self._checked_leaves(index, sample)
+                buf[row] = array
+        return out
 
     def _order(self, key: jax.Array) -> jax.Array:
         return epoch_permutation(key, self._length, self._ordering == "shuffle")

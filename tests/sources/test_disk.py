@@ -219,3 +219,26 @@ def test_next_refuses_another_sources_state():
         jax.jit(a.next)(b.init_state(jax.random.key(0)))
     with pytest.raises(ValueError, match="another source"):
         jax.jit(a.next)(c.init_state(jax.random.key(0)))
+
+
+def test_sample_fn_reusing_one_array_gives_each_sample(tmp_path):
+    # A reader that fills one preallocated array per call (readinto) and returns it: each
+    # sample must be copied before the next call overwrites it, not repeated across a chunk.
+    path = tmp_path / "rows.bin"
+    rows = np.arange(10 * 4, dtype=np.float32).reshape(10, 4)
+    rows.tofile(path)
+    out = np.empty(4, np.float32)
+
+    with open(path, "rb") as f:
+
+        def sample_fn(i):
+            f.seek(i * out.nbytes)
+            f.readinto(out)
+            return out
+
+        source = DiskSource(10, sample_fn, ordering="shuffle", prefetch_size=4)
+        (values, _, _), _ = scan_items(source, source.init_state(jax.random.key(0)), 20)
+    values = np.asarray(values)
+    for epoch in values.reshape(2, 10, 4):
+        assert sorted(epoch[:, 0].tolist()) == rows[:, 0].tolist()
+        np.testing.assert_array_equal(epoch, rows[(epoch[:, 0] // 4).astype(int)])
