@@ -114,7 +114,8 @@ def _check_items(storage: Any, items: Any, capacity: int) -> int:
 def _episode_ids(counter: jax.Array, episode_end: Any, batch_size: int) -> tuple[Any, Any]:
     if episode_end is None:
         return jnp.full((batch_size,), counter, jnp.int32), counter
-    ends = jnp.broadcast_to(jnp.asarray(episode_end), (batch_size,)).astype(jnp.int32)
+    # a truth value, as the host buffers read it: any nonzero mark ends the episode
+    ends = jnp.broadcast_to(jnp.asarray(episode_end) != 0, (batch_size,)).astype(jnp.int32)
     csum = jnp.cumsum(ends, dtype=jnp.int32)
     return counter + csum - ends, counter + csum[-1]
 
@@ -254,8 +255,8 @@ def make_uniform_buffer(capacity: int) -> UniformBuffer:
       ``example_item`` (any pytree of arrays, *without* a batch axis).
     - ``add(state, items, episode_end=None) -> state``: write ``items`` (leading batch axis of
       size ``<= capacity``) at the write head, overwriting the oldest items when full.
-      ``episode_end`` (bool, per item) marks the last item of an episode; only
-      ``sample_sequences`` uses it.
+      ``episode_end`` (bool, per item; any nonzero number counts as True) marks the last
+      item of an episode; only ``sample_sequences`` uses it.
     - ``sample(state, key, batch_size) -> items``: ``batch_size`` (static) items drawn
       uniformly with replacement from the filled slots (empty slots are never returned, as
       long as the buffer is not empty).

@@ -102,3 +102,24 @@ def test_jittable_sequences_respect_episode_ends(make):
     out2 = jax.vmap(seq, in_axes=(0, 0, None, None))(states, keys, 50, 2)
     assert out2.items.shape == (2, 50, 2)
     check_windows(out2.items[1], out2.mask[1], 2)
+
+
+@pytest.mark.parametrize("make", [make_uniform_buffer, make_prioritized_buffer])
+@pytest.mark.parametrize("mark", [1, -1, 2, 0.5, 1.0])
+def test_jittable_episode_end_marks_are_truth_values(make, mark):
+    # episode_end is read as a truth value, as the host buffers read it: any nonzero mark
+    # ends the episode (an int -1 once made episode numbers go down, a float 0.5 was
+    # rounded to "not an end", and windows then ran across the boundary)
+    codes, ends = episode_rows()
+    buffer = make(32)
+    state = buffer.init(jnp.int32(0))
+    marks = ends.astype(type(mark))
+    marks[np.flatnonzero(ends)[::2]] = mark  # mixed with plain ones
+    for lo in range(0, len(codes), 5):
+        chunk = slice(lo, lo + 5)
+        state = buffer.add(state, jnp.asarray(codes[chunk], jnp.int32), jnp.asarray(marks[chunk]))
+    out = jax.jit(buffer.sample_sequences, static_argnums=(2, 3))(
+        state, jax.random.key(0), 400, 5
+    )
+    check_windows(out.items, out.mask, 5)
+    assert not np.asarray(out.mask).all()
