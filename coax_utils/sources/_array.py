@@ -114,6 +114,7 @@ class ArraySource:
         self._spec = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), self._data
         )
+        self._jit_next = jax.jit(self._next)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -200,6 +201,11 @@ class ArraySource:
         ValueError
             If ``state`` belongs to a source with another number of samples (at trace time).
         """
+        # compiled once per source: called eagerly, a traced conditional would be compiled
+        # anew on every call
+        return self._jit_next(state)
+
+    def _next(self, state: ArraySourceState) -> tuple[PyTree, jax.Array, ArraySourceState]:
         state = self._refresh(state)
         index = state.order[state.position]
         sample = jax.tree_util.tree_map(

@@ -128,6 +128,7 @@ class BatchedSource:
             lambda s: jax.ShapeDtypeStruct((self._batch_size, *s.shape), s.dtype),
             self._item_spec,
         )
+        self._jit_next = jax.jit(self._next)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -184,6 +185,11 @@ class BatchedSource:
             The batch (leading axis ``batch_size``), its mask (False on padding rows) and
             the advanced state.
         """
+        # compiled once per source: called eagerly, traced conditionals would be compiled
+        # anew on every call
+        return self._jit_next(state)
+
+    def _next(self, state: BatchedSourceState) -> tuple[PyTree, jax.Array, BatchedSourceState]:
         if self._gather:
             batch, mask, inner = self._source._next_batch(
                 state.inner, self._batch_size, self._drop_last

@@ -162,6 +162,7 @@ class DiskSource:
             for s in self._spec_leaves
         ]
         self._dtype_cache: dict[tuple[np.dtype, np.dtype], bool] = {}
+        self._jit_next = jax.jit(self._next)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -316,6 +317,11 @@ class DiskSource:
             If ``state`` belongs to another source (another length, prefetch size or
             element spec), at trace time.
         """
+        # compiled once per source: called eagerly, a traced conditional would be compiled
+        # anew on every call
+        return self._jit_next(state)
+
+    def _next(self, state: DiskSourceState) -> tuple[PyTree, jax.Array, DiskSourceState]:
         check_state(state, DiskSourceState, self._length, self)
         buffer_spec = jax.tree_util.tree_map(lambda b: (tuple(b.shape), b.dtype), state.buffer)
         expected = jax.tree_util.tree_map(

@@ -157,6 +157,7 @@ class GymnaxSource:
             return self._transition(obs, action, self._step(key, env_state, action))
 
         self._spec = jax.eval_shape(first_step, jax.random.key(0), policy_state_template)
+        self._jit_next = jax.jit(self._next)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -241,6 +242,11 @@ class GymnaxSource:
         ValueError
             If ``state.policy_state`` is None (not injected yet).
         """
+        # compiled once per source: called eagerly, traced conditionals would be compiled
+        # anew on every call
+        return self._jit_next(state)
+
+    def _next(self, state: GymnaxSourceState) -> tuple[dict, jax.Array, GymnaxSourceState]:
         if state.policy_state is None:
             raise ValueError(
                 "GymnaxSource state has no policy_state; inject one with "

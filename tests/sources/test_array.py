@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coax_utils.sources import ArraySource, ArraySourceState, Source
+from tests.sources._compiles import eager_compiles
 
 
 def run_epochs(source, key, steps, jit=True):
@@ -170,3 +171,11 @@ def test_next_refuses_another_sources_state():
         jax.jit(a.next)(b.init_state(jax.random.key(0)))
     with pytest.raises(TypeError, match="ArraySourceState"):
         a.next({"order": jnp.arange(3)})
+
+
+def test_eager_next_compiles_once():
+    # each eager call used to trace and compile its conditional anew (about 0.2 s a call,
+    # and the compiled code piled up until LLVM ran out of memory)
+    for ordering in ("shuffle", "sequential"):
+        source = ArraySource(jnp.arange(5.0), ordering=ordering)
+        assert eager_compiles(source, source.init_state(jax.random.key(0)), 12) == 0

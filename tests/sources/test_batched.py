@@ -11,6 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from coax_utils.sources import ArraySource, BatchedSource, BatchedSourceState, DiskSource, Source
+from tests.sources._compiles import eager_compiles
 
 
 class Plain:
@@ -215,3 +216,11 @@ def test_a_subclass_that_changes_next_is_batched_through_its_next():
         batch, mask, state = jax.jit(source.next)(state)
         batches.append((batch.tolist(), mask.tolist()))
     assert batches == [([2, 4], [True, True]), ([6, 8], [True, True]), ([10, 0], [True, False])]
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_eager_next_compiles_once(plain):
+    # each eager call used to trace and compile its conditionals anew
+    inner = ArraySource(jnp.arange(7.0)) if not plain else DiskSource(7, lambda i: np.float32(i))
+    source = BatchedSource(inner, 3, drop_last=plain)
+    assert eager_compiles(source, source.init_state(jax.random.key(0)), 6) == 0

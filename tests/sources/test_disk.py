@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from coax_utils.sources import DiskSource, DiskSourceState, Source
+from tests.sources._compiles import eager_compiles
 
 
 class Recorder:
@@ -242,3 +243,10 @@ def test_sample_fn_reusing_one_array_gives_each_sample(tmp_path):
     for epoch in values.reshape(2, 10, 4):
         assert sorted(epoch[:, 0].tolist()) == rows[:, 0].tolist()
         np.testing.assert_array_equal(epoch, rows[(epoch[:, 0] // 4).astype(int)])
+
+
+def test_eager_next_compiles_once():
+    # each eager call used to trace and compile its conditional anew (about 0.2 s a call,
+    # and the compiled code piled up until LLVM ran out of memory)
+    source = DiskSource(5, lambda i: np.float32(i), prefetch_size=2)
+    assert eager_compiles(source, source.init_state(jax.random.key(0)), 12) == 0

@@ -14,6 +14,7 @@ import pytest
 
 from coax_utils.envs import GymnasiumToJax
 from coax_utils.sources import BatchedSource, GymnaxSource, GymnaxSourceState, Source
+from tests.sources._compiles import eager_compiles
 
 
 class Chain:
@@ -347,3 +348,10 @@ def test_an_episode_that_terminates_at_the_epoch_end_is_not_also_truncated():
     assert not (terminated & truncated).any()  # as the env reports them: one or the other
     np.testing.assert_array_equal(truncated, epoch_ends & ~terminated)
     np.testing.assert_array_equal(np.asarray(items["done"]), terminated | epoch_ends)
+
+
+def test_eager_next_compiles_once():
+    # each eager call used to trace and compile its conditionals anew
+    source, _ = _random_source("CartPole-v1", steps_per_epoch=4)
+    state = source.init_state(jax.random.key(0)).replace(policy_state=jnp.int32(0))
+    assert eager_compiles(source, state, 10) == 0
