@@ -13,6 +13,7 @@ The priorities of the prioritized buffer live in the package's one functional su
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -180,6 +181,15 @@ def _sample_sequences(
     length = _check_static_int(length, "length")
     if length > capacity:
         raise ValueError(f"length={length} exceeds the buffer's capacity {capacity}")
+    # compiled once per shape: called eagerly, the platform-dependent draws and gathers
+    # would be traced and compiled anew on every call
+    return _sample_windows(state, key, batch_size, length, capacity)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _sample_windows(
+    state: Any, key: jax.Array, batch_size: int, length: int, capacity: int
+) -> SequenceSample:
     check_state(state, capacity)
     starts = random_index(key, (batch_size,), state.size - length + 1)
     oldest = jnp.where(state.size < capacity, 0, state.pos)

@@ -12,6 +12,7 @@ from coax_utils.replay import (
     make_prioritized_buffer,
     make_uniform_buffer,
 )
+from tests._compiles import compiles
 
 EPISODES = [4, 2, 5, 1, 3]  # episode lengths
 
@@ -123,3 +124,16 @@ def test_jittable_episode_end_marks_are_truth_values(make, mark):
     )
     check_windows(out.items, out.mask, 5)
     assert not np.asarray(out.mask).all()
+
+
+@pytest.mark.parametrize("make", [make_uniform_buffer, make_prioritized_buffer])
+def test_jittable_eager_sample_sequences_compiles_once(make):
+    # called eagerly, each call traced and compiled its platform-dependent draws anew
+    buffer = make(16)
+    state = buffer.add(buffer.init(jnp.int32(0)), jnp.arange(9, dtype=jnp.int32))
+    buffer.sample_sequences(state, jax.random.key(0), 4, 3)
+    before = compiles()
+    for i in range(6):
+        out = buffer.sample_sequences(state, jax.random.key(i), 4, 3)
+        np.testing.assert_array_equal(np.diff(np.asarray(out.items), axis=1), 1)
+    assert compiles() == before

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coax_utils.sources import ArraySource, ArraySourceState, Source
-from tests.sources._compiles import eager_compiles
+from tests._compiles import eager_compiles
 
 
 def run_epochs(source, key, steps, jit=True):

@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from coax_utils.sources import ArraySource, BatchedSource, BatchedSourceState, DiskSource, Source
-from tests.sources._compiles import eager_compiles
+from tests._compiles import eager_compiles
 
 
 class Plain:

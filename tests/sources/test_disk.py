@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from coax_utils.sources import DiskSource, DiskSourceState, Source
-from tests.sources._compiles import eager_compiles
+from tests._compiles import eager_compiles
 
 
 class Recorder:

@@ -14,7 +14,7 @@ import pytest
 
 from coax_utils.envs import GymnasiumToJax
 from coax_utils.sources import BatchedSource, GymnaxSource, GymnaxSourceState, Source
-from tests.sources._compiles import eager_compiles
+from tests._compiles import eager_compiles
 
 
 class Chain:
