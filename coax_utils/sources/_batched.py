@@ -77,7 +77,9 @@ class BatchedSource:
     ------
     ValueError
         If ``batch_size`` is not positive or exceeds ``2**31 - 1``, or ``drop_last`` would
-        drop every batch (:math:`n < B`).
+        drop every batch (:math:`n < B`). :meth:`next` raises it (while tracing) when the
+        wrapped source emits items whose structure, shapes or dtypes differ from its
+        ``element_spec()``, instead of casting them into the batch.
     TypeError
         If ``source`` does not implement the :class:`Source` protocol, or ``drop_last`` is
         not a bool.
@@ -207,7 +209,16 @@ class BatchedSource:
     def _collect(self, state: BatchedSourceState) -> tuple[PyTree, jax.Array, Any]:
         """Generic path: call the wrapped source's ``next`` once per row."""
         source, size, n = self._source, self._batch_size, self._inner_steps
-        _, mask_shape, _ = jax.eval_shape(source.next, state.inner)
+        value_spec, mask_shape, _ = jax.eval_shape(source.next, state.inner)
+        got = jax.tree_util.tree_map(lambda s: (tuple(s.shape), np.dtype(s.dtype)), value_spec)
+        expected = jax.tree_util.tree_map(
+            lambda s: (tuple(s.shape), np.dtype(s.dtype)), self._item_spec
+        )
+        if got != expected:
+            # stacking them into rows of the spec would cast or only partly fill the rows
+            raise ValueError(
+                f"{source!r}.next emits items {got}, but its element_spec() says {expected}"
+            )
         buffer = zeros_like_spec(self._item_spec, (size,))
         masks = jnp.zeros((size, *mask_shape.shape), jnp.bool_)
         # Items left in the epoch; only the last batch of an epoch can come up short.

@@ -224,3 +224,34 @@ def test_eager_next_compiles_once(plain):
     inner = ArraySource(jnp.arange(7.0)) if not plain else DiskSource(7, lambda i: np.float32(i))
     source = BatchedSource(inner, 3, drop_last=plain)
     assert eager_compiles(source, source.init_state(jax.random.key(0)), 6) == 0
+
+
+class Halved(Plain):
+    """Emits the items halved (floats) but keeps the wrapped source's (int) spec: it lies."""
+
+    def next(self, state):
+        value, mask, state = self.inner.next(state)
+        return value / 2, mask, state
+
+
+class Widened(Plain):
+    """Emits items of shape (1,) while its spec says (3,)."""
+
+    def next(self, state):
+        value, mask, state = self.inner.next(state)
+        return value[None], mask, state
+
+    def element_spec(self):
+        return jax.ShapeDtypeStruct((3,), jnp.int32)
+
+
+@pytest.mark.parametrize("wrapper", [Halved, Widened])
+def test_items_that_differ_from_the_spec_are_refused(wrapper):
+    # they were cast to the spec's dtype (0.5 became 0) or written into the first columns
+    # of wider rows (the rest left 0), silently
+    source = BatchedSource(wrapper(ArraySource(jnp.arange(1, 7, dtype=jnp.int32))), 3)
+    state = source.init_state(jax.random.key(0))
+    with pytest.raises(ValueError, match="element_spec"):
+        source.next(state)
+    with pytest.raises(ValueError, match="element_spec"):
+        jax.jit(source.next)(state)
