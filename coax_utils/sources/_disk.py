@@ -96,8 +96,9 @@ class DiskSource:
         For a ``length`` or ``prefetch_size`` that is not positive or exceeds ``2**31 - 1``
         (positions are int32), an unknown ``ordering``, or an empty spec.
     TypeError
-        If ``sample_fn`` is not callable or a leaf of ``sample_spec`` is not a
-        :class:`jax.ShapeDtypeStruct`.
+        If ``sample_fn`` is not callable, a leaf of ``sample_spec`` is not a
+        :class:`jax.ShapeDtypeStruct`, or (spec inferred) a leaf of ``sample_fn(0)`` is not
+        an array of numbers or bools (a string, an object or datetime array).
 
     Notes
     -----
@@ -146,7 +147,14 @@ class DiskSource:
             raise TypeError(f"sample_fn must be callable, got {sample_fn!r}")
         self._sample_fn = sample_fn
         if sample_spec is None:
-            sample_spec = spec_of(self._call(0))
+            sample = jax.tree_util.tree_map(np.asarray, self._call(0))
+            for i, array in enumerate(jax.tree_util.tree_leaves(sample)):
+                if array.dtype.kind not in "biufc":
+                    raise TypeError(
+                        f"DiskSource: leaf {i} of sample_fn(0) has dtype {array.dtype}; "
+                        "samples must be arrays of numbers or bools"
+                    )
+            sample_spec = spec_of(sample)
         leaves = jax.tree_util.tree_leaves(sample_spec)
         if not leaves:
             raise ValueError("the sample spec must have at least one leaf, got an empty pytree")

@@ -250,3 +250,13 @@ def test_eager_next_compiles_once():
     # and the compiled code piled up until LLVM ran out of memory)
     source = DiskSource(5, lambda i: np.float32(i), prefetch_size=2)
     assert eager_compiles(source, source.init_state(jax.random.key(0)), 12) == 0
+
+
+@pytest.mark.parametrize(
+    "leaf", ["b", "abc", np.array([1, "a"], dtype=object), np.datetime64("2020-01-01")]
+)
+def test_non_numeric_first_sample_is_refused_at_construction(leaf):
+    # a string leaf was read as a dtype name ("b" gave an int8 spec, "abc" an obscure
+    # numpy error), and object or datetime leaves failed only later, inside init_state
+    with pytest.raises(TypeError, match=r"leaf 1 of sample_fn\(0\) has dtype"):
+        DiskSource(3, lambda i: {"x": np.float32(i), "y": leaf})
