@@ -15,6 +15,7 @@ from coax_utils.sources._base import (
     check_state,
     epoch_permutation,
     refresh_order,
+    sample_indices,
 )
 
 __all__ = ["ArraySource", "ArraySourceState"]
@@ -207,7 +208,7 @@ class ArraySource:
 
     def _next(self, state: ArraySourceState) -> tuple[PyTree, jax.Array, ArraySourceState]:
         state = self._refresh(state)
-        index = state.order[state.position]
+        index = sample_indices(state.order, state.position, self._ordering == "shuffle")
         sample = jax.tree_util.tree_map(
             lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), self._data
         )
@@ -230,7 +231,8 @@ class ArraySource:
         valid = positions < n
         safe = jnp.minimum(positions, n - 1)
         # Out-of-range indices make ``take`` fill padding rows with zeros.
-        indices = jnp.where(valid, state.order[safe], n)
+        shuffle = self._ordering == "shuffle"
+        indices = jnp.where(valid, sample_indices(state.order, safe, shuffle), n)
         batch = jax.tree_util.tree_map(
             lambda x: jnp.take(x, indices, axis=0, mode="fill", fill_value=0), self._data
         )

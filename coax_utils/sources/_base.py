@@ -164,6 +164,16 @@ def epoch_permutation(key: jax.Array, size: int, shuffle: bool) -> jax.Array:
     return jnp.arange(size, dtype=jnp.int32)
 
 
+def sample_indices(order: jax.Array, positions: jax.Array, shuffle: bool) -> jax.Array:
+    """The sample indices at epoch ``positions`` (in bounds): ``order[positions]`` when
+    shuffling, the positions themselves otherwise.
+
+    A sequential source does not read ``order``: a state saved by a shuffling source of the
+    same length still gives index order, not its saved permutation in every epoch.
+    """
+    return order[positions] if shuffle else positions
+
+
 def refresh_order(
     key: jax.Array, order: jax.Array, reshuffle: jax.Array, shuffle: bool
 ) -> tuple[jax.Array, jax.Array]:

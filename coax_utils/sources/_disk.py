@@ -19,6 +19,7 @@ from coax_utils.sources._base import (
     check_state,
     epoch_permutation,
     refresh_order,
+    sample_indices,
     spec_of,
     zeros_like_spec,
 )
@@ -294,7 +295,8 @@ class DiskSource:
         )
         size = self._prefetch_size
         offsets = state.position + jnp.arange(size, dtype=jnp.int32)
-        indices = order[jnp.minimum(offsets, self._length - 1)]
+        shuffle = self._ordering == "shuffle"
+        indices = sample_indices(order, jnp.minimum(offsets, self._length - 1), shuffle)
         count = jnp.minimum(self._length - state.position, size).astype(jnp.int32)
         leaves = io_callback(self._fetch, self._chunk_leaves, indices, count)
         return state.replace(

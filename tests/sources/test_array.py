@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coax_utils.sources import ArraySource, ArraySourceState, Source
+from coax_utils.sources import ArraySource, ArraySourceState, BatchedSource, Source
 from tests._compiles import eager_compiles
 
 
@@ -179,3 +179,26 @@ def test_eager_next_compiles_once():
     for ordering in ("shuffle", "sequential"):
         source = ArraySource(jnp.arange(5.0), ordering=ordering)
         assert eager_compiles(source, source.init_state(jax.random.key(0)), 12) == 0
+
+
+def test_sequential_source_resumed_from_a_shuffled_state_is_sequential():
+    # a state saved under ordering="shuffle" and resumed by a sequential source: its saved
+    # permutation was never redrawn (sequential orders never change), so the "sequential"
+    # source emitted that permutation in every epoch
+    data = jnp.arange(6)
+    state = ArraySource(data).init_state(jax.random.key(0))
+    assert state.order.tolist() != list(range(6))
+    source = ArraySource(data, ordering="sequential")
+    out = []
+    for _ in range(8):
+        value, _, state = source.next(state)
+        out.append(int(value))
+    assert out == [0, 1, 2, 3, 4, 5, 0, 1]
+    batched = BatchedSource(source, 4)
+    state = batched.init_state(jax.random.key(0))
+    state = state.replace(inner=ArraySource(data).init_state(jax.random.key(0)))
+    rows = []
+    for _ in range(3):
+        batch, mask, state = batched.next(state)
+        rows += np.asarray(batch)[np.asarray(mask)].tolist()
+    assert rows == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]

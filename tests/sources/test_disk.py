@@ -260,3 +260,13 @@ def test_non_numeric_first_sample_is_refused_at_construction(leaf):
     # numpy error), and object or datetime leaves failed only later, inside init_state
     with pytest.raises(TypeError, match=r"leaf 1 of sample_fn\(0\) has dtype"):
         DiskSource(3, lambda i: {"x": np.float32(i), "y": leaf})
+
+
+def test_sequential_source_resumed_from_a_shuffled_state_is_sequential():
+    # a state saved under ordering="shuffle" and resumed by a sequential source kept
+    # emitting the saved permutation in every epoch
+    state = DiskSource(6, lambda i: np.int32(i), prefetch_size=4).init_state(jax.random.key(0))
+    assert state.order.tolist() != list(range(6))
+    source = DiskSource(6, lambda i: np.int32(i), ordering="sequential", prefetch_size=4)
+    (values, _, _), _ = scan_items(source, state, 14)
+    assert values.tolist() == [0, 1, 2, 3, 4, 5] * 2 + [0, 1]
