@@ -208,7 +208,10 @@ _SEQ_DOC = """Sample ``batch_size`` contiguous windows of ``length`` items (jitt
         Window starts are uniform over the positions (in insertion order) that leave room for
         ``length`` stored items. Windows never cross an episode boundary (rows added with
         ``episode_end=True``): steps after the end of the first episode are *masked* and padded
-        by repeating the last valid step. ``batch_size`` and ``length`` are static. Returns a
+        by repeating the last valid step. While the buffer holds fewer than ``length`` items,
+        windows start at the oldest item and the steps past the newest are masked (every step,
+        when it is empty: check ``can_sample`` first). ``batch_size`` and ``length`` are
+        static. Returns a
         :class:`SequenceSample` with ``items`` of shape ``(batch_size, length, ...)``, the mask
         and the storage slots."""
 

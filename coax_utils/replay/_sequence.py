@@ -25,7 +25,8 @@ class SequenceSample:
         ``(batch_size, length)``).
     mask : array of bool, shape ``(batch_size, length)``
         True where the step belongs to the episode of the window's first step. The first
-        column is always True.
+        column is True, except from a jittable buffer holding no items, whose rows are all
+        False (the host buffers refuse to sample with fewer than ``length`` transitions).
     indices : array of int, shape ``(batch_size, length)``
         Where each step was read: the transition ids (host buffers) or the storage slots
         (jittable buffers).

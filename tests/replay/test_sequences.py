@@ -137,3 +137,15 @@ def test_jittable_eager_sample_sequences_compiles_once(make):
         out = buffer.sample_sequences(state, jax.random.key(i), 4, 3)
         np.testing.assert_array_equal(np.diff(np.asarray(out.items), axis=1), 1)
     assert compiles() == before
+
+
+@pytest.mark.parametrize("make", [make_uniform_buffer, make_prioritized_buffer])
+def test_jittable_sequences_from_a_short_or_empty_buffer_are_masked(make):
+    buffer = make(8)
+    state = buffer.init(jnp.int32(0))
+    out = buffer.sample_sequences(state, jax.random.key(0), 5, 3)
+    assert not np.asarray(out.mask).any()  # empty: nothing is valid, the first column too
+    state = buffer.add(state, jnp.array([7, 8], jnp.int32))
+    out = buffer.sample_sequences(state, jax.random.key(0), 5, 3)
+    np.testing.assert_array_equal(out.mask, [[True, True, False]] * 5)
+    np.testing.assert_array_equal(out.items, [[7, 8, 8]] * 5)
