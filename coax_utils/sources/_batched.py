@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coax_utils._dataclass import pytree_dataclass
+from coax_utils._dataclass import pytree_dataclass, static_field
 from coax_utils.sources._array import ArraySource
 from coax_utils.sources._base import PyTree, Source, check_positive_int, zeros_like_spec
 
@@ -28,11 +28,18 @@ class BatchedSourceState:
         int32 scalar: batches emitted in the current epoch.
     epoch : jax.Array
         int32 scalar: number of completed epochs.
+    batch_size : int
+        Static: the ``batch_size`` of the source the state belongs to.
+    drop_last : bool
+        Static: the ``drop_last`` of the source the state belongs to. A source refuses the
+        state of one that cuts its epochs into other batches (``step`` would not match).
     """
 
     inner: Any
     step: jax.Array
     epoch: jax.Array
+    batch_size: int = static_field()
+    drop_last: bool = static_field()
 
 
 def _stack_into(buffer: PyTree, value: PyTree, row: jax.Array) -> PyTree:
@@ -172,6 +179,8 @@ class BatchedSource:
             inner=self._source.init_state(key),
             step=jnp.zeros([], jnp.int32),
             epoch=jnp.zeros([], jnp.int32),
+            batch_size=self._batch_size,
+            drop_last=self._drop_last,
         )
 
     def next(self, state: BatchedSourceState) -> tuple[PyTree, jax.Array, BatchedSourceState]:
@@ -186,7 +195,21 @@ class BatchedSource:
         tuple
             The batch (leading axis ``batch_size``), its mask (False on padding rows) and
             the advanced state.
+
+        Raises
+        ------
+        TypeError
+            If ``state`` is not a :class:`BatchedSourceState`.
+        ValueError
+            If ``state`` belongs to a source with another ``batch_size`` or ``drop_last``.
         """
+        if not isinstance(state, BatchedSourceState):
+            raise TypeError(f"{self!r}.next needs a BatchedSourceState, got {type(state).__name__}")
+        if (state.batch_size, state.drop_last) != (self._batch_size, self._drop_last):
+            raise ValueError(
+                f"{self!r}.next got the state of another BatchedSource (batch_size="
+                f"{state.batch_size}, drop_last={state.drop_last}): its step counts other batches"
+            )
         # compiled once per source: called eagerly, traced conditionals would be compiled
         # anew on every call
         return self._jit_next(state)
@@ -199,7 +222,7 @@ class BatchedSource:
         else:
             batch, mask, inner = self._collect(state)
         last = state.step + 1 >= self._steps
-        new_state = BatchedSourceState(
+        new_state = state.replace(
             inner=inner,
             step=jnp.where(last, 0, state.step + 1).astype(jnp.int32),
             epoch=state.epoch + last.astype(jnp.int32),

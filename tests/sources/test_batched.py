@@ -255,3 +255,21 @@ def test_items_that_differ_from_the_spec_are_refused(wrapper):
         source.next(state)
     with pytest.raises(ValueError, match="element_spec"):
         jax.jit(source.next)(state)
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_state_of_a_batched_source_with_other_batches_is_refused(plain):
+    # resumed with another batch_size (or drop_last), the padding was placed by the old
+    # count of batches: item 9 of an epoch of 10 came in one batch with items 0, 1, 2 of the
+    # next epoch, and the batch and item epochs stayed misaligned from then on
+    inner = DiskSource(10, lambda i: np.int32(i), ordering="sequential", prefetch_size=4)
+    inner = Plain(inner) if plain else inner
+    three = BatchedSource(inner, 3)
+    state = three.next(three.init_state(jax.random.key(0)))[2]
+    for other in (BatchedSource(inner, 4), BatchedSource(inner, 3, drop_last=True)):
+        with pytest.raises(ValueError, match="batch_size=3, drop_last=False"):
+            other.next(state)
+        with pytest.raises(ValueError, match="another BatchedSource"):
+            jax.jit(other.next)(state)
+    batch, _, _ = three.next(state)  # its own source goes on
+    assert batch.tolist() == [3, 4, 5]
