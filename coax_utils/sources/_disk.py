@@ -106,12 +106,16 @@ class DiskSource:
     A failing callback cannot raise a Python exception through compiled code. When
     ``sample_fn(i)`` raises, or returns a sample whose structure, shape or dtype differs
     from the spec, the callback raises a :class:`ValueError` whose message names the index
-    and the problem; called eagerly that error propagates as is, and under ``jit`` JAX
-    re-raises it as a :class:`jax.errors.JaxRuntimeError` carrying the same message.
+    and the problem; ``next`` (compiled, whether called eagerly or under ``jit``) reaches
+    the caller with it as a :class:`jax.errors.JaxRuntimeError` carrying the same message.
     Dtypes are compared after JAX's canonicalization (a float64 sample matches a float32
     spec when 64-bit mode is off); a 64-bit value that the 32-bit dtype cannot hold (an
     int64 beyond int32's range, a float64 beyond float32's) raises the same way instead of
     wrapping around.
+
+    ``next`` cannot be vmapped over a batch of states (JAX runs no callback inside a
+    vmapped conditional and raises ``NotImplementedError``); use one state and
+    :class:`~coax_utils.sources.BatchedSource` for batches.
 
     Examples
     --------
