@@ -8,6 +8,7 @@ import numpy as np
 
 from coax_utils._dataclass import pytree_dataclass
 from coax_utils.sources._base import (
+    CompiledNext,
     PyTree,
     canonical_dtype,
     check_fits,
@@ -47,7 +48,7 @@ class ArraySourceState:
     reshuffle: jax.Array
 
 
-class ArraySource:
+class ArraySource(CompiledNext):
     """Stream the samples of an in-memory pytree of arrays, one per ``next`` call.
 
     Every leaf of ``data`` has the same leading (sample) axis of length ``n``. An epoch
@@ -115,7 +116,6 @@ class ArraySource:
         self._spec = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), self._data
         )
-        self._jit_next = jax.jit(self._next)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -202,9 +202,7 @@ class ArraySource:
         ValueError
             If ``state`` belongs to a source with another number of samples (at trace time).
         """
-        # compiled once per source: called eagerly, a traced conditional would be compiled
-        # anew on every call
-        return self._jit_next(state)
+        return self._compiled_next(state)
 
     def _next(self, state: ArraySourceState) -> tuple[PyTree, jax.Array, ArraySourceState]:
         state = self._refresh(state)

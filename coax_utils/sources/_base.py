@@ -59,6 +59,26 @@ class Source(Protocol):
         ...
 
 
+class CompiledNext:
+    """Base of the sources: :meth:`_compiled_next` runs ``self._next`` compiled once.
+
+    Called eagerly, a traced :func:`jax.lax.cond` is compiled anew on every call; one
+    :func:`jax.jit` per source avoids that (inside a caller's ``jit`` it is inlined). The
+    compiled function is made on first use and left out of pickles.
+    """
+
+    def _compiled_next(self, state: Any) -> tuple[PyTree, jax.Array, Any]:
+        compiled = self.__dict__.get("_jit_next")
+        if compiled is None:
+            compiled = self._jit_next = jax.jit(self._next)  # type: ignore[attr-defined]
+        return compiled(state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_jit_next", None)
+        return state
+
+
 MAX_COUNT = int(np.iinfo(np.int32).max)
 
 

@@ -11,7 +11,13 @@ import numpy as np
 
 from coax_utils._dataclass import pytree_dataclass, static_field
 from coax_utils.sources._array import ArraySource
-from coax_utils.sources._base import PyTree, Source, check_positive_int, zeros_like_spec
+from coax_utils.sources._base import (
+    CompiledNext,
+    PyTree,
+    Source,
+    check_positive_int,
+    zeros_like_spec,
+)
 
 __all__ = ["BatchedSource", "BatchedSourceState"]
 
@@ -50,7 +56,7 @@ def _stack_into(buffer: PyTree, value: PyTree, row: jax.Array) -> PyTree:
     )
 
 
-class BatchedSource:
+class BatchedSource(CompiledNext):
     r"""Stack ``batch_size`` consecutive items of a source into one batch.
 
     One epoch of the batched source covers one epoch of the wrapped source, whose
@@ -137,7 +143,6 @@ class BatchedSource:
             lambda s: jax.ShapeDtypeStruct((self._batch_size, *s.shape), s.dtype),
             self._item_spec,
         )
-        self._jit_next = jax.jit(self._next)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -210,9 +215,7 @@ class BatchedSource:
                 f"{self!r}.next got the state of another BatchedSource (batch_size="
                 f"{state.batch_size}, drop_last={state.drop_last}): its step counts other batches"
             )
-        # compiled once per source: called eagerly, traced conditionals would be compiled
-        # anew on every call
-        return self._jit_next(state)
+        return self._compiled_next(state)
 
     def _next(self, state: BatchedSourceState) -> tuple[PyTree, jax.Array, BatchedSourceState]:
         if self._gather:

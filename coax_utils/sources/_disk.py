@@ -11,6 +11,7 @@ from jax.experimental import io_callback
 
 from coax_utils._dataclass import pytree_dataclass
 from coax_utils.sources._base import (
+    CompiledNext,
     PyTree,
     canonical_dtype,
     check_fits,
@@ -64,7 +65,7 @@ def _describe(spec: jax.ShapeDtypeStruct) -> str:
     return f"shape {tuple(spec.shape)} dtype {np.dtype(spec.dtype).name}"
 
 
-class DiskSource:
+class DiskSource(CompiledNext):
     """Stream samples produced by a Python function ``sample_fn(i)``, for data not in memory.
 
     ``sample_fn(i)`` returns sample ``i`` (``0 <= i < length``) as a pytree of array-likes,
@@ -175,7 +176,6 @@ class DiskSource:
             for s in self._spec_leaves
         ]
         self._dtype_cache: dict[tuple[np.dtype, np.dtype], bool] = {}
-        self._jit_next = jax.jit(self._next)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -331,9 +331,7 @@ class DiskSource:
             If ``state`` belongs to another source (another length, prefetch size or
             element spec), at trace time.
         """
-        # compiled once per source: called eagerly, a traced conditional would be compiled
-        # anew on every call
-        return self._jit_next(state)
+        return self._compiled_next(state)
 
     def _next(self, state: DiskSourceState) -> tuple[PyTree, jax.Array, DiskSourceState]:
         check_state(state, DiskSourceState, self._length, self)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from coax_utils._dataclass import pytree_dataclass
 from coax_utils.envs import step_without_autoreset
-from coax_utils.sources._base import PyTree, check_positive_int
+from coax_utils.sources._base import CompiledNext, PyTree, check_positive_int
 
 __all__ = ["GymnaxSource", "GymnaxSourceState"]
 
@@ -50,7 +50,7 @@ class GymnaxSourceState:
     policy_state: PyTree = None
 
 
-class GymnaxSource:
+class GymnaxSource(CompiledNext):
     r"""Stream transitions by rolling out a gymnax-style JAX environment with a policy.
 
     The environment follows the gymnax API: ``env.reset(key, params) -> (obs, env_state)``
@@ -157,7 +157,6 @@ class GymnaxSource:
             return self._transition(obs, action, self._step(key, env_state, action))
 
         self._spec = jax.eval_shape(first_step, jax.random.key(0), policy_state_template)
-        self._jit_next = jax.jit(self._next)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -242,9 +241,7 @@ class GymnaxSource:
         ValueError
             If ``state.policy_state`` is None (not injected yet).
         """
-        # compiled once per source: called eagerly, traced conditionals would be compiled
-        # anew on every call
-        return self._jit_next(state)
+        return self._compiled_next(state)
 
     def _next(self, state: GymnaxSourceState) -> tuple[dict, jax.Array, GymnaxSourceState]:
         if state.policy_state is None:

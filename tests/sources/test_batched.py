@@ -1,6 +1,7 @@
 """BatchedSource: step counts, padding masks, drop_last, nesting, both code paths."""
 
 import math
+import pickle
 
 import chex
 import jax
@@ -273,3 +274,15 @@ def test_state_of_a_batched_source_with_other_batches_is_refused(plain):
             jax.jit(other.next)(state)
     batch, _, _ = three.next(state)  # its own source goes on
     assert batch.tolist() == [3, 4, 5]
+
+
+def test_sources_pickle_after_next():
+    # the compiled next is made again after unpickling, not pickled with the source
+    source = BatchedSource(DiskSource(5, np.float32, ordering="sequential"), 2)
+    arrays = BatchedSource(ArraySource(jnp.arange(5), ordering="sequential"), 2)
+    for s in (source, arrays):
+        state = s.init_state(jax.random.key(0))
+        first, _, _ = s.next(state)
+        copy = pickle.loads(pickle.dumps(s))
+        np.testing.assert_array_equal(copy.next(state)[0], first)
+        np.testing.assert_array_equal(s.next(state)[0], first)
