@@ -112,7 +112,8 @@ class DiskSource(CompiledNext):
     Dtypes are compared after JAX's canonicalization (a float64 sample matches a float32
     spec when 64-bit mode is off); a 64-bit value that the 32-bit dtype cannot hold (an
     int64 beyond int32's range, a float64 beyond float32's) raises the same way instead of
-    wrapping around.
+    wrapping around. A state whose order holds an index outside ``[0, length)`` (a damaged
+    checkpoint) raises the same way, before ``sample_fn`` sees that index.
 
     ``next`` cannot be vmapped over a batch of states (JAX runs no callback inside a
     vmapped conditional and raises ``NotImplementedError``); use one state and
@@ -248,6 +249,12 @@ class DiskSource(CompiledNext):
         fills and returns the same array on every call still gives each sample once.
         """
         index_list = np.asarray(indices)[: int(np.asarray(count))].tolist()
+        bad = [i for i in index_list if not 0 <= i < self._length]
+        if bad:  # a damaged or foreign state: never pass sample_fn an index it may wrap
+            raise ValueError(
+                f"DiskSource: the state's order holds the index {bad[0]} outside "
+                f"[0, {self._length}) (a damaged state, or one of another source?)"
+            )
         out = [np.zeros(s.shape, s.dtype) for s in self._chunk_leaves]
         targets = list(zip(out, self._spec_leaves))
         for row, index in enumerate(index_list):

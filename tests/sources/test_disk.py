@@ -270,3 +270,22 @@ def test_sequential_source_resumed_from_a_shuffled_state_is_sequential():
     source = DiskSource(6, lambda i: np.int32(i), ordering="sequential", prefetch_size=4)
     (values, _, _), _ = scan_items(source, state, 14)
     assert values.tolist() == [0, 1, 2, 3, 4, 5] * 2 + [0, 1]
+
+
+@pytest.mark.parametrize("bad", [-1, 6, 2**31 - 1])
+def test_order_with_an_index_out_of_range_is_refused(bad):
+    # a state read back from a damaged or foreign checkpoint: sample_fn(-1) quietly read
+    # the last sample (Python indexing), and larger indices reached sample_fn unchecked
+    calls = []
+
+    def sample_fn(i):
+        calls.append(i)
+        return np.float32(i)
+
+    source = DiskSource(6, sample_fn, prefetch_size=4)
+    calls.clear()
+    state = source.init_state(jax.random.key(0))
+    state = state.replace(order=state.order.at[2].set(bad))
+    with pytest.raises(Exception, match=f"index {bad} outside"):
+        jax.block_until_ready(source.next(state))
+    assert calls == []
