@@ -196,6 +196,9 @@ def _sample_windows(
     slots = (oldest + starts[:, None] + jnp.arange(length, dtype=jnp.int32)) % capacity
     episode = state.episode[slots]
     mask = (episode == episode[:, :1]) & (starts[:, None] + jnp.arange(length) < state.size)
+    # valid up to the first step of another episode, even if a damaged state's episode
+    # numbers come back to the first one later
+    mask = jnp.cumprod(mask, axis=1).astype(jnp.bool_)
     last = jnp.sum(mask, axis=1, keepdims=True) - 1
     slots = jnp.take_along_axis(slots, jnp.minimum(jnp.arange(length), last), axis=1)
     items = gather_rows(state.items, slots.reshape(-1))

@@ -149,3 +149,16 @@ def test_jittable_sequences_from_a_short_or_empty_buffer_are_masked(make):
     out = buffer.sample_sequences(state, jax.random.key(0), 5, 3)
     np.testing.assert_array_equal(out.mask, [[True, True, False]] * 5)
     np.testing.assert_array_equal(out.items, [[7, 8, 8]] * 5)
+
+
+@pytest.mark.parametrize("make", [make_uniform_buffer, make_prioritized_buffer])
+def test_jittable_mask_is_a_prefix_even_for_a_damaged_state(make):
+    # episode numbers that go down and up again (a damaged or hand-edited state) made a
+    # mask like [T, F, T], whose third step held a copy of the second: another episode
+    buffer = make(4)
+    state = buffer.add(buffer.init(jnp.int32(0)), jnp.array([10, 11, 12, 13], jnp.int32))
+    state = state.replace(episode=jnp.array([0, 1, 0, 1], jnp.int32))
+    out = buffer.sample_sequences(state, jax.random.key(0), 20, 3)
+    for row, mask in zip(np.asarray(out.items), np.asarray(out.mask)):
+        assert mask.tolist() == [True, False, False]
+        assert row.tolist() == [row[0]] * 3  # padding repeats the one valid step
