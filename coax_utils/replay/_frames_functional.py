@@ -22,8 +22,11 @@ from coax_utils.replay._functional import (
     PrioritizedBufferState,
     PrioritizedSample,
     UniformBufferState,
+    check_beta,
     check_state,
+    compiled,
     gather_rows,
+    host_indices,
     make_prioritized_buffer,
     make_uniform_buffer,
 )
@@ -294,7 +297,8 @@ def make_frame_stack_buffer(
         ``init(example_transition)`` (a :class:`TransitionBatch` without batch axis),
         ``add(state, transition_batch)``, ``sample(state, key, batch_size)`` (a
         :class:`TransitionBatch`) and ``can_sample(state, batch_size)``, all jittable
-        (``batch_size`` static).
+        (``batch_size`` static); ``add`` and ``sample`` come compiled, as those of
+        :func:`make_uniform_buffer`.
 
     Raises
     ------
@@ -348,8 +352,8 @@ def make_frame_stack_buffer(
 
     return FrameStackBuffer(
         init=init,
-        add=add,
-        sample=sample,
+        add=compiled(add),
+        sample=compiled(sample, (2,)),
         can_sample=can_sample,
         capacity=capacity,
         stack_size=ring.k,
@@ -468,7 +472,9 @@ def make_prioritized_frame_stack_buffer(
         ``init(example_transition)``, ``add(state, transition_batch)``,
         ``sample(state, key, batch_size, beta=None)``, ``update(state, indices,
         priorities)`` and ``can_sample(state, batch_size)`` (false while no transition with
-        all its frames is stored), all jittable (``batch_size`` static) and donation-friendly.
+        all its frames is stored), all jittable (``batch_size`` static) and donation-friendly;
+        ``add``, ``sample`` and ``update`` come compiled, as those of
+        :func:`make_prioritized_buffer`.
 
     Raises
     ------
@@ -546,11 +552,24 @@ def make_prioritized_frame_stack_buffer(
         batch_size: int,
         beta: Any = None,
     ) -> PrioritizedSample:
+        check_beta(beta)  # a concrete beta, before it is traced
+        return compiled_sample(state, key, batch_size, beta)
+
+    def sample_traced(
+        state: PrioritizedFrameStackBufferState, key: jax.Array, batch_size: int, beta: Any
+    ) -> PrioritizedSample:
         ring.check_state(state, capacity)
         drawn = inner.sample(state.transitions, key, batch_size, beta)
         return drawn.replace(items=ring.rebuild(state.frames, drawn.items))
 
+    compiled_sample = compiled(sample_traced, (2,))
+
     def update(
+        state: PrioritizedFrameStackBufferState, indices: jax.Array, priorities: jax.Array
+    ) -> PrioritizedFrameStackBufferState:
+        return compiled_update(state, host_indices(indices, capacity), priorities)
+
+    def update_traced(
         state: PrioritizedFrameStackBufferState, indices: jax.Array, priorities: jax.Array
     ) -> PrioritizedFrameStackBufferState:
         ring.check_state(state, capacity)
@@ -559,6 +578,8 @@ def make_prioritized_frame_stack_buffer(
         lost = ring.lost(state.transitions.items, state.frame_count, slots)
         indices = jnp.where(valid & ~lost, indices, -1)
         return state.replace(transitions=inner.update(state.transitions, indices, priorities))
+
+    compiled_update = compiled(update_traced)
 
     def can_sample(state: PrioritizedFrameStackBufferState, batch_size: int) -> jax.Array:
         has_frames = sum_tree_total(state.transitions.tree) > 0
@@ -571,7 +592,7 @@ def make_prioritized_frame_stack_buffer(
     can_sample.__doc__ = "Whether ``batch_size`` transitions with all their frames are stored."
     return PrioritizedFrameStackBuffer(
         init=init,
-        add=add,
+        add=compiled(add),
         sample=sample,
         can_sample=can_sample,
         update=update,

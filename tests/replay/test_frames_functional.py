@@ -18,6 +18,7 @@ from coax_utils.replay import (
     make_prioritized_frame_stack_buffer,
 )
 from coax_utils.utils import sum_tree_values
+from tests._compiles import compiles
 from tests.replay.test_frames import K, Tee, image_cartpole, run
 
 
@@ -415,3 +416,26 @@ def test_a_state_used_with_a_smaller_window_still_drops_transitions_that_lost_fr
             assert t != 200
             np.testing.assert_array_equal(out.items.S[row], stream[t].S[0])
             np.testing.assert_array_equal(out.items.S_next[row], stream[t].S_next[0])
+
+
+def test_eager_calls_compile_once(prioritized_filled):
+    # called outside jit, add, sample and update traced and compiled their loops anew on
+    # every call (0.1-0.2 s each)
+    buf, state, seen = prioritized_filled
+    uniform = make_frame_stack_buffer(capacity=60, stack_size=K)
+    ustate = uniform.init(jax.tree_util.tree_map(lambda x: x[0], seen[0].replace(idx=None)))
+    ustate = uniform.add(ustate, seen[0].replace(idx=None))
+    calls = [
+        lambda i: buf.add(state, seen[i].replace(idx=None)),
+        lambda i: buf.sample(state, jax.random.PRNGKey(i), 8),
+        lambda i: buf.update(state, np.array([i, i + 1]), np.array([1.0, 2.0])),
+        lambda i: uniform.add(ustate, seen[i].replace(idx=None)),
+        lambda i: uniform.sample(ustate, jax.random.PRNGKey(i), 8),
+    ]
+    for call in calls:
+        call(0)
+    before = compiles()
+    for i in range(1, 4):
+        for call in calls:
+            jax.block_until_ready(call(i))
+    assert compiles() == before

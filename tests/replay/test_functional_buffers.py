@@ -7,6 +7,7 @@ import pytest
 
 from coax_utils.replay import make_prioritized_buffer, make_uniform_buffer
 from coax_utils.utils import SUM_TREE_STRATEGIES, sum_tree_values
+from tests._compiles import compiles
 
 
 def items(ts, dim=2):
@@ -356,7 +357,8 @@ def test_row_loop_and_gather_paths_agree(monkeypatch):
     key = jax.random.key(4)
     looped = buffer.sample(state, key, 64)  # small items on the CPU: the row loop
     monkeypatch.setattr(_functional, "_ROW_LOOP_MAX_BYTES", 0)
-    gathered = buffer.sample(state, key, 64)  # (not jitted: traced again with the new limit)
+    # a new buffer: its sample is traced (and compiled) anew, with the new limit
+    gathered = make_uniform_buffer(50).sample(state, key, 64)
     for a, b in zip(jax.tree_util.tree_leaves(looped), jax.tree_util.tree_leaves(gathered)):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(np.asarray(looped["obs"])[:, 0], np.asarray(looped["t"]))
@@ -399,3 +401,25 @@ def test_nan_priorities_and_beta_never_give_nan_weights():
         buffer.sample(state, jax.random.key(1), 4, float("nan"))
     empty = buffer.init(jnp.zeros(2))
     assert np.asarray(buffer.sample(empty, jax.random.key(0), 3).weights).tolist() == [1.0] * 3
+
+
+def test_eager_calls_compile_once():
+    # called outside jit, sample, add and update traced and compiled their loops and
+    # platform-dependent branches anew on every call (0.1-0.2 s each)
+    uniform, prioritized = make_uniform_buffer(50), make_prioritized_buffer(50)
+    u = uniform.add(uniform.init(EXAMPLE), items(range(10)))
+    p = prioritized.add(prioritized.init(EXAMPLE), items(range(10)))
+    calls = [
+        lambda i: uniform.add(u, items(range(i, i + 3))),
+        lambda i: uniform.sample(u, jax.random.key(i), 8),
+        lambda i: prioritized.add(p, items(range(i, i + 3))),
+        lambda i: prioritized.sample(p, jax.random.key(i), 8, beta=0.5),
+        lambda i: prioritized.update(p, np.array([i, i + 1]), np.array([1.0, 2.0])),
+    ]
+    for call in calls:
+        call(0)
+    before = compiles()
+    for i in range(1, 4):
+        for call in calls:
+            jax.block_until_ready(call(i))
+    assert compiles() == before
