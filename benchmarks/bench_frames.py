@@ -287,15 +287,22 @@ def jitted(capacity: int, reps: int, rep_seconds: float) -> None:
     # output memory is timed: only the sampling itself
     steps = 16
 
-    @jax.jit
-    def many_samples(state, key):
-        first = jax.eval_shape(lambda s, k: buf.sample(s, k, 32), state, key)
-        carry = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), first)
+    def many(buffer):
+        """``steps`` samples of 32 from ``buffer`` in a scan: the batch of the last key."""
 
-        def draw(_, k):
-            return buf.sample(state, k, 32), None
+        @jax.jit
+        def call(state, key):
+            first = jax.eval_shape(lambda s, k: buffer.sample(s, k, 32), state, key)
+            carry = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), first)
 
-        return jax.lax.scan(draw, carry, jax.random.split(key, steps))[0]
+            def draw(_, k):
+                return buffer.sample(state, k, 32), None
+
+            return jax.lax.scan(draw, carry, jax.random.split(key, steps))[0]
+
+        return call
+
+    many_samples, many_plain = many(buf), many(plain)
 
     @jax.jit
     def many_takes(d, d_next, key):
@@ -304,16 +311,6 @@ def jitted(capacity: int, reps: int, rep_seconds: float) -> None:
         def draw(_, k):
             i = jax.random.randint(k, (32,), 0, len(d))
             return (jnp.take(d, i, axis=0), jnp.take(d_next, i, axis=0)), None
-
-        return jax.lax.scan(draw, carry, jax.random.split(key, steps))[0]
-
-    @jax.jit
-    def many_plain(plain_state, key):
-        first = jax.eval_shape(lambda s, k: plain.sample(s, k, 32), plain_state, key)
-        carry = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), first)
-
-        def draw(_, k):
-            return plain.sample(plain_state, k, 32), None
 
         return jax.lax.scan(draw, carry, jax.random.split(key, steps))[0]
 

@@ -26,3 +26,17 @@ def eager_compiles(source, state, calls):
     for _ in range(calls):
         _, _, state = source.next(state)
     return compiles() - before
+
+
+def compiles_again(calls, repeats=3):
+    """Compilations made by calling each of ``calls`` (functions of an int) ``repeats``
+    more times, after one call each."""
+    import jax
+
+    for call in calls:
+        call(0)
+    before = compiles()
+    for i in range(1, repeats + 1):
+        for call in calls:
+            jax.block_until_ready(call(i))
+    return compiles() - before
