@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from coax_utils._dataclass import pytree_dataclass
@@ -192,9 +193,36 @@ class TransitionBatch:
             yield jax.tree_util.tree_map(lambda x, i=i: x[i : i + 1], self)
 
     def __getitem__(self, index: Any) -> TransitionBatch:
-        """Select rows with an int, slice or index array (an int keeps a batch axis)."""
-        if isinstance(index, (int, np.integer)):
-            index = slice(int(index), int(index) + 1) if index != -1 else slice(-1, None)
+        """Select rows with an int, a slice, or a one-dimensional index array or row mask.
+
+        An int (a Python or NumPy int, or a 0-d integer array, JAX's included) selects one
+        row and keeps the batch axis; it must lie in ``[-batch_size, batch_size)``, else
+        IndexError. A traced index (inside :func:`jax.jit` or :func:`jax.vmap`) selects the
+        same rows as an eager one, with JAX's indexing rules: it cannot be range-checked, and
+        an out-of-range one is clamped. Booleans, None and tuples raise TypeError (they would
+        not select rows); an index array of more than one dimension raises IndexError.
+        """
+        if index is None or isinstance(index, (bool, np.bool_, tuple)):
+            raise TypeError(
+                f"a TransitionBatch index selects rows: an int, a slice or a 1-d index array "
+                f"or row mask, got {index!r:.80}"
+            )
+        if isinstance(index, jax.core.Tracer):
+            if np.ndim(index) > 1:
+                raise IndexError(f"the index array must be one-dimensional, got {index.shape}")
+            rows = jnp.reshape(index, (1,)) if np.ndim(index) == 0 else index
+            return jax.tree_util.tree_map(lambda x: jnp.asarray(x)[rows], self)
+        if not isinstance(index, slice) and index is not Ellipsis:
+            index = np.asarray(index)
+            if index.ndim > 1:
+                raise IndexError(f"the index array must be one-dimensional, got {index.shape}")
+            if index.ndim == 0:
+                if index.dtype.kind not in "iu":
+                    raise TypeError(f"a TransitionBatch index must be an int, got {index!r:.80}")
+                i, n = int(index), self.batch_size
+                if not -n <= i < n:
+                    raise IndexError(f"index {i} is out of range for a batch of size {n}")
+                index = slice(i % n, i % n + 1)
         return jax.tree_util.tree_map(lambda x: x[index], self)
 
     @classmethod

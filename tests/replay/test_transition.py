@@ -81,3 +81,25 @@ def test_copy_and_equality_for_any_batch_size():
     assert batch.replace(A_next=batch.A) != batch  # other structure
     assert batch[:3] != batch  # other shapes
     assert batch != "batch"
+
+
+def test_getitem_int_like_indices_keep_the_batch_axis_and_check_the_range():
+    tb = TransitionBatch.concatenate(*(make(t) for t in range(3)))
+    for i in (1, np.int32(1), np.array(1), jnp.array(1), -2):
+        row = tb[i]
+        assert row.batch_size == 1 and row.S.shape == (1, 3), type(i)
+        np.testing.assert_array_equal(row.A, [1])
+    np.testing.assert_array_equal(tb[-1].A, [2])
+    # a traced index (inside jit or vmap) selects the same row, with the batch axis
+    np.testing.assert_array_equal(jax.jit(lambda b, i: b[i].A)(tb, 2), [2])
+    np.testing.assert_array_equal(jax.vmap(lambda i: tb[i].Rn)(jnp.arange(3)), [[0], [1], [2]])
+    for i in (3, -4, np.int64(7), np.array(3)):
+        with pytest.raises(IndexError, match="out of range"):
+            tb[i]
+    for bad in (True, np.bool_(False), None, (0, 1)):
+        with pytest.raises(TypeError, match="index"):
+            tb[bad]
+    with pytest.raises(IndexError, match="one-dimensional"):
+        tb[np.array([[0, 1]])]
+    np.testing.assert_array_equal(tb[np.array([True, False, True])].A, [0, 2])  # a row mask
+    np.testing.assert_array_equal(tb[[2, 0]].A, [2, 0])
