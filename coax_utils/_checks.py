@@ -17,6 +17,8 @@ import numpy as np
 
 __all__ = [
     "check_choice",
+    "check_finite_number",
+    "check_flag",
     "check_float",
     "check_int",
     "check_seed",
@@ -77,6 +79,44 @@ def check_float(
         what = f"a finite number {_range_text(low, high, low_open)}".rstrip()
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return v
+
+
+def _real(value: Any) -> np.ndarray | None:
+    """``value`` as a NumPy array of bools or real numbers (bfloat16 and the other ml_dtypes
+    types, whose NumPy kind is "V", as float32 or int32), or None if it holds none."""
+    import jax.numpy as jnp
+
+    arr = np.asarray(value)
+    if arr.dtype.kind in "biuf":
+        return arr
+    if jnp.issubdtype(arr.dtype, jnp.floating):
+        return arr.astype(np.float32)
+    if jnp.issubdtype(arr.dtype, jnp.integer):
+        return arr.astype(np.int32)
+    return None
+
+
+def check_finite_number(value: Any, name: str) -> None:
+    """``value`` must be one finite real number: a Python, NumPy or JAX scalar or a 0-d
+    array (TypeError for a string or another non-number, ValueError for an array of another
+    shape, NaN or an infinity)."""
+    arr = _real(value)
+    if arr is None:
+        raise TypeError(f"{name} must be a real number, got {value!r:.80}")
+    if arr.ndim != 0:
+        raise ValueError(f"{name} must be a single number, got an array of shape {arr.shape}")
+    if not np.isfinite(arr):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """``value`` as a bool: a bool, or a single number that is 0 or 1 (not a string)."""
+    arr = _real(value)
+    if arr is not None and arr.ndim != 0:
+        raise ValueError(f"{name} must be a single bool, got an array of shape {arr.shape}")
+    if arr is None or arr not in (0, 1):
+        raise TypeError(f"{name} must be a bool, got {value!r:.80}")
+    return bool(arr)
 
 
 def check_seed(value: Any, name: str = "random_seed") -> int | None:

@@ -6,10 +6,9 @@ import abc
 from collections import deque
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
-from coax_utils._checks import check_int, check_state_keys
+from coax_utils._checks import check_finite_number, check_flag, check_int, check_state_keys
 from coax_utils.replay._transition import TransitionBatch
 
 __all__ = ["EpisodeDoneError", "InsufficientCacheError", "MonteCarlo", "NStep"]
@@ -23,38 +22,6 @@ class EpisodeDoneError(ValueError):
 
 class InsufficientCacheError(IndexError):
     """Raised when popping or flushing a tracer that has no complete transition yet."""
-
-
-def _real(value: Any) -> np.ndarray | None:
-    """``value`` as a NumPy array of bools or real numbers (bfloat16 and the other ml_dtypes
-    types, whose NumPy kind is "V", as float32 or int32), or None if it holds none."""
-    arr = np.asarray(value)
-    if arr.dtype.kind in "biuf":
-        return arr
-    if jnp.issubdtype(arr.dtype, jnp.floating):
-        return arr.astype(np.float32)
-    if jnp.issubdtype(arr.dtype, jnp.integer):
-        return arr.astype(np.int32)
-    return None
-
-
-def _check_finite(name: str, value: Any) -> None:
-    """``value`` must be one finite real number (Python, NumPy, JAX or a 0-d array)."""
-    arr = _real(value)
-    if arr is None:
-        raise TypeError(f"{name} must be a real number, got {value!r:.80}")
-    if arr.ndim != 0:
-        raise ValueError(f"{name} must be a single number, got an array of shape {arr.shape}")
-    if not np.isfinite(arr):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-
-
-def _check_flag(name: str, value: Any) -> bool:
-    """``value`` as a bool: a bool, or a single number that is 0 or 1 (not a string)."""
-    arr = _real(value)
-    if arr is None or arr.ndim != 0 or arr not in (0, 1):
-        raise TypeError(f"{name} must be a bool, got {value!r:.80}")
-    return bool(arr)
 
 
 def _check_return(value: float) -> None:
@@ -118,7 +85,7 @@ class _BaseTracer(abc.ABC):
                 raise ValueError(f"{name} state: steps[{i}] must be (s, a, r, logp, w)")
             for field, value in zip(("r", "logp", "w"), step[2:]):
                 try:
-                    _check_finite(field, value)
+                    check_finite_number(value, field)
                 except (TypeError, ValueError) as e:
                     raise type(e)(f"{name} state: steps[{i}]: {e}") from None
         if not (isinstance(terminated, bool) and isinstance(truncated, bool)):
@@ -131,7 +98,7 @@ class _BaseTracer(abc.ABC):
             raise ValueError(f"{name} state: final must be (s_next, a_next, logp_next)")
         if final is not None:
             try:
-                _check_finite("logp_next", final[2])
+                check_finite_number(final[2], "logp_next")
             except (TypeError, ValueError) as e:
                 raise type(e)(f"{name} state: final: {e}") from None
         obj.reset()
@@ -227,8 +194,8 @@ class _BaseTracer(abc.ABC):
                 "adding steps of a new episode"
             )
         for name, value in (("r", r), ("logp", logp), ("w", w)):
-            _check_finite(name, value)
-        done, truncated = _check_flag("done", done), _check_flag("truncated", truncated)
+            check_finite_number(value, name)
+        done, truncated = check_flag(done, "done"), check_flag(truncated, "truncated")
         if self._ended:  # previous episode fully consumed: start a new one
             self.reset()
         self._steps.append((s, a, r, logp, w))

@@ -11,9 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coax_utils._checks import check_finite_number, check_flag
 from coax_utils._dataclass import pytree_dataclass
 
 __all__ = ["TransitionBatch"]
+
+_INT64 = np.iinfo(np.int64)
 
 
 @pytree_dataclass
@@ -164,9 +167,44 @@ class TransitionBatch:
             A buffer index.
         extra_info : dict, optional
             Extra information, stored with a batch axis added.
+
+        ``logp``, ``r``, ``gamma``, ``w`` and ``logp_next`` must each be one real number
+        (a Python, NumPy or JAX scalar or a 0-d array) that is finite as the float32 it is
+        stored as, ``done`` a bool (or a number that is 0 or 1) and ``idx`` an int.
+
+        Raises
+        ------
+        TypeError
+            If one of them is of another type (a string, a float ``idx``).
+        ValueError
+            If one of them is an array of another shape (e.g. already with a batch axis,
+            which would make a field of shape ``(1, 1)``), is not finite, or ``gamma`` lies
+            outside ``[0, 1]``.
         """
-        if not 0.0 <= float(gamma) <= 1.0:
+
+        def number(x: Any, name: str) -> Any:
+            if x is None:
+                return None
+            check_finite_number(x, name)
+            with np.errstate(over="ignore"):
+                x32 = np.asarray(x, np.float32)
+            if not np.isfinite(x32):
+                raise ValueError(f"{name} must be finite as a float32, got {x!r}")
+            return x32
+
+        values = {name: number(x, name) for name, x in (("logp", logp), ("r", r), ("w", w))}
+        logp_next = number(logp_next, "logp_next")
+        gamma = number(gamma, "gamma")
+        if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"gamma must lie in [0, 1], got {gamma!r}")
+        done = check_flag(done, "done")
+        if idx is not None:
+            i = np.asarray(idx)
+            if i.ndim != 0:
+                raise ValueError(f"idx must be a single int, got an array of shape {i.shape}")
+            if i.dtype.kind not in "iu" or not _INT64.min <= int(i) <= _INT64.max:
+                raise TypeError(f"idx must be an int that fits int64, got {idx!r:.80}")
+            idx = np.asarray(i, np.int64)
 
         def batch(x: Any, dtype: Any = None) -> Any:
             if x is None:
@@ -176,14 +214,14 @@ class TransitionBatch:
         return cls(
             S=batch(s),
             A=batch(a),
-            logP=batch(logp, np.float32),
-            Rn=batch(r, np.float32),
+            logP=batch(values["logp"]),
+            Rn=batch(values["r"]),
             In=batch(0.0 if done else gamma, np.float32),
             S_next=batch(s if s_next is None else s_next),
             A_next=batch(a_next),
-            logP_next=batch(logp_next, np.float32),
-            W=batch(w, np.float32),
-            idx=batch(idx, np.int64),
+            logP_next=batch(logp_next),
+            W=batch(values["w"]),
+            idx=batch(idx),
             extra_info=batch(extra_info),
         )
 

@@ -103,3 +103,36 @@ def test_getitem_int_like_indices_keep_the_batch_axis_and_check_the_range():
         tb[np.array([[0, 1]])]
     np.testing.assert_array_equal(tb[np.array([True, False, True])].A, [0, 2])  # a row mask
     np.testing.assert_array_equal(tb[[2, 0]].A, [2, 0])
+
+
+def single(**changes):
+    kwargs = dict(s=np.zeros(2, np.float32), a=0, logp=-0.5, r=1.0, done=False, gamma=0.9)
+    kwargs.update(changes)
+    return TransitionBatch.from_single(**kwargs)
+
+
+def test_from_single_refuses_what_it_would_store_wrongly():
+    # scalars given with a batch axis (or as several numbers) made fields of shape (1, k)
+    for name in ("logp", "r", "w", "logp_next", "gamma", "done", "idx"):
+        with pytest.raises(ValueError, match=f"{name} must be a single"):
+            single(**{name: np.array([1])})
+    with pytest.raises(ValueError, match="done must be a single"):
+        single(done=np.array([True, False]))
+    # a float idx was truncated (3.7 -> 3), a string done was truthy (In = 0)
+    with pytest.raises(TypeError, match="idx must be an int"):
+        single(idx=3.7)
+    with pytest.raises(TypeError, match="done must be a bool"):
+        single(done="False")
+    with pytest.raises(TypeError, match="r must be a real number"):
+        single(r="1.0")
+    # a reward beyond float32 became inf; NaN weights and log-propensities went through
+    with pytest.raises(ValueError, match="r must be finite"):
+        single(r=1e39)
+    with pytest.raises(ValueError, match="w must be finite"):
+        single(w=float("nan"))
+    # what stays accepted: NumPy and JAX scalars, 0-d arrays, 0/1 flags
+    tb = single(r=np.float64(2.0), logp=jnp.float32(-1.0), done=np.int8(1), idx=np.uint32(5))
+    assert tb.Rn.shape == tb.logP.shape == tb.In.shape == tb.idx.shape == (1,)
+    np.testing.assert_array_equal(tb.In, [0.0])
+    np.testing.assert_array_equal(tb.idx, [5])
+    assert single(gamma=np.array(0.5), w=np.array(2.0)).In.tolist() == [0.5]
