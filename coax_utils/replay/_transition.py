@@ -168,6 +168,9 @@ class TransitionBatch:
         extra_info : dict, optional
             Extra information, stored with a batch axis added.
 
+        Every array is copied: the batch shares no memory with the arguments, so an
+        observation array that is later updated in place does not change it.
+
         ``logp``, ``r``, ``gamma``, ``w`` and ``logp_next`` must each be one real number
         (a Python, NumPy or JAX scalar or a 0-d array) that is finite as the float32 it is
         stored as, ``done`` a bool (or a number that is 0 or 1) and ``idx`` an int.
@@ -209,7 +212,7 @@ class TransitionBatch:
         def batch(x: Any, dtype: Any = None) -> Any:
             if x is None:
                 return None
-            return jax.tree_util.tree_map(lambda v: np.expand_dims(np.asarray(v, dtype), 0), x)
+            return jax.tree_util.tree_map(lambda v: np.expand_dims(np.array(v, dtype), 0), x)
 
         return cls(
             S=batch(s),

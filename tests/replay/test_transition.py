@@ -136,3 +136,20 @@ def test_from_single_refuses_what_it_would_store_wrongly():
     np.testing.assert_array_equal(tb.In, [0.0])
     np.testing.assert_array_equal(tb.idx, [5])
     assert single(gamma=np.array(0.5), w=np.array(2.0)).In.tolist() == [0.5]
+
+
+def test_from_single_copies_the_arrays_it_is_given():
+    obs = {"pos": np.zeros(3, np.float32), "frame": np.zeros((2, 2), np.uint8)}
+    action = np.array([0.5, -0.5])
+    tb = TransitionBatch.from_single(
+        s=obs, a=action, logp=0.0, r=1.0, done=False, gamma=0.9, extra_info={"x": action}
+    )
+    obs["pos"] += 1  # e.g. an env or wrapper that updates its observation array in place
+    obs["frame"][0, 0] = 255
+    action[:] = 7
+    np.testing.assert_array_equal(tb.S["pos"], np.zeros((1, 3)))
+    np.testing.assert_array_equal(tb.S["frame"], np.zeros((1, 2, 2)))
+    np.testing.assert_array_equal(tb.S_next["pos"], np.zeros((1, 3)))
+    np.testing.assert_array_equal(tb.A, [[0.5, -0.5]])
+    np.testing.assert_array_equal(tb.extra_info["x"], [[0.5, -0.5]])
+    assert tb.S["frame"].dtype == np.uint8 and tb.A.dtype == np.float64
