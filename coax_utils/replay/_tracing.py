@@ -6,6 +6,7 @@ import abc
 from collections import deque
 from typing import Any
 
+import jax
 import numpy as np
 
 from coax_utils._checks import check_finite_number, check_flag, check_int, check_state_keys
@@ -22,6 +23,11 @@ class EpisodeDoneError(ValueError):
 
 class InsufficientCacheError(IndexError):
     """Raised when popping or flushing a tracer that has no complete transition yet."""
+
+
+def _snapshot(x: Any) -> Any:
+    """``x`` with its NumPy arrays copied (JAX arrays are immutable, other leaves kept)."""
+    return jax.tree_util.tree_map(lambda v: v.copy() if isinstance(v, np.ndarray) else v, x)
 
 
 def _check_return(value: float) -> None:
@@ -176,6 +182,10 @@ class _BaseTracer(abc.ABC):
             is dropped (it would have no reward left to accumulate) and the preceding
             transitions use one step less.
 
+        The NumPy arrays in ``s``, ``a`` and ``s_next`` are copied, so an env that updates
+        its observation array in place (a vector env with ``copy=False``) does not change
+        the steps held.
+
         Raises
         ------
         EpisodeDoneError
@@ -198,6 +208,7 @@ class _BaseTracer(abc.ABC):
         done, truncated = check_flag(done, "done"), check_flag(truncated, "truncated")
         if self._ended:  # previous episode fully consumed: start a new one
             self.reset()
+        s, a, s_next = _snapshot(s), _snapshot(a), _snapshot(s_next)
         self._steps.append((s, a, r, logp, w))
         self._terminated = done
         self._truncated = truncated and not done

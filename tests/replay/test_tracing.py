@@ -1,5 +1,6 @@
 """NStep and MonteCarlo tracers against an independent n-step-target oracle."""
 
+import gymnasium
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -330,3 +331,32 @@ def test_bfloat16_rewards_and_flags_are_accepted(cls):
         tracer.add(0, 0, jnp.asarray(np.nan, jnp.bfloat16), False)
     with pytest.raises(TypeError, match="bool"):
         tracer.add(0, 0, 1.0, jnp.asarray(0.5, jnp.bfloat16))
+
+
+@pytest.mark.parametrize("cls", [NStep, MonteCarlo])
+def test_steps_are_kept_as_given_when_the_caller_updates_its_arrays_in_place(cls):
+    # a preallocated history of the last two observations, shifted in place every step (as
+    # hand-written frame stacking does), is passed as the state at each step
+    env = gymnasium.make("CartPole-v1")
+    obs, _ = env.reset(seed=0)
+    history = np.stack([obs, obs])
+    tracer = NStep(2, 0.9) if cls is NStep else MonteCarlo(0.9)
+    seen = []
+    for t in range(6):
+        seen.append(history.copy())
+        obs, r, _, _, _ = env.step(t % 2)
+        after = np.stack([history[1], obs])
+        tracer.add(history, t % 2, float(r), False, truncated=t == 5, s_next=after)
+        history[0] = history[1]
+        history[1] = obs
+        after[:] = 0  # the caller reuses this array too
+    env.close()
+    final = np.stack([seen[-1][1], obs])
+    batch = tracer.flush()
+    if cls is MonteCarlo:
+        batch = batch[::-1]
+        expected_next = [final] * 6
+    else:
+        expected_next = [seen[t + 2] for t in range(4)] + [final, final]
+    np.testing.assert_array_equal(batch.S, np.stack(seen))
+    np.testing.assert_array_equal(batch.S_next, np.stack(expected_next))
