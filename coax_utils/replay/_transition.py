@@ -82,8 +82,24 @@ class TransitionBatch:
 
     @property
     def batch_size(self) -> int:
-        """The number of transitions in the batch (the length of the leading axis)."""
-        return int(np.shape(self.Rn)[0])
+        """The number of transitions in the batch (the length of the leading axis).
+
+        Raises ValueError, naming the field, if a leaf of any field has another leading axis
+        than ``Rn`` (its rows would not line up); :func:`len`, indexing, :meth:`to_singles`
+        and :meth:`concatenate` check this too.
+        """
+        return self._check_rows()
+
+    def _check_rows(self) -> int:
+        """The batch size, after checking that every leaf has that leading axis."""
+        n = int(np.shape(self.Rn)[0])
+        for path, x in jax.tree_util.tree_leaves_with_path(self):
+            if np.ndim(x) == 0 or np.shape(x)[0] != n:
+                raise ValueError(
+                    f"every field of a TransitionBatch needs the leading batch axis of Rn "
+                    f"({n} rows); {jax.tree_util.keystr(path)} has shape {np.shape(x)}"
+                )
+        return n
 
     def __len__(self) -> int:
         return self.batch_size
@@ -248,6 +264,7 @@ class TransitionBatch:
                 f"a TransitionBatch index selects rows: an int, a slice or a 1-d index array "
                 f"or row mask, got {index!r:.80}"
             )
+        n = self.batch_size
         if isinstance(index, jax.core.Tracer):
             if np.ndim(index) > 1:
                 raise IndexError(f"the index array must be one-dimensional, got {index.shape}")
@@ -260,7 +277,7 @@ class TransitionBatch:
             if index.ndim == 0:
                 if index.dtype.kind not in "iu":
                     raise TypeError(f"a TransitionBatch index must be an int, got {index!r:.80}")
-                i, n = int(index), self.batch_size
+                i = int(index)
                 if not -n <= i < n:
                     raise IndexError(f"index {i} is out of range for a batch of size {n}")
                 index = slice(i % n, i % n + 1)
@@ -271,6 +288,8 @@ class TransitionBatch:
         """Concatenate batches along the batch axis (same structure required)."""
         if not batches:
             raise ValueError("concatenate needs at least one TransitionBatch")
+        for b in batches:
+            b._check_rows()
         structures = {jax.tree_util.tree_structure(b) for b in batches}
         if len(structures) != 1:
             raise ValueError(

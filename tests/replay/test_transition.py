@@ -153,3 +153,22 @@ def test_from_single_copies_the_arrays_it_is_given():
     np.testing.assert_array_equal(tb.A, [[0.5, -0.5]])
     np.testing.assert_array_equal(tb.extra_info["x"], [[0.5, -0.5]])
     assert tb.S["frame"].dtype == np.uint8 and tb.A.dtype == np.float64
+
+
+def test_fields_with_another_number_of_rows_are_refused():
+    tb = TransitionBatch.concatenate(*(make(t) for t in range(3)))
+    short = tb.replace(S=tb.S[:2])  # e.g. a field sliced and the others not
+    for use in (
+        lambda: short.batch_size,
+        lambda: len(short),
+        lambda: list(short.to_singles()),
+        lambda: short[0],
+        lambda: short[:2],
+        lambda: TransitionBatch.concatenate(short, tb),
+        lambda: TransitionBatch.concatenate(tb, short),
+    ):
+        with pytest.raises(ValueError, match=r"\.S has shape \(2, 3\)"):
+            use()
+    with pytest.raises(ValueError, match="extra_info"):
+        len(tb.replace(extra_info={"t": np.zeros(4)}))
+    assert tb.batch_size == 3 and tb.replace(extra_info={"t": np.zeros((3, 2))}).batch_size == 3
