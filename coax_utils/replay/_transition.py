@@ -285,7 +285,15 @@ class TransitionBatch:
 
     @classmethod
     def concatenate(cls, *batches: TransitionBatch) -> TransitionBatch:
-        """Concatenate batches along the batch axis (same structure required)."""
+        """Concatenate batches along the batch axis.
+
+        The batches must have the same structure (the same fields set, the same containers)
+        and, leaf by leaf, the same per-row shape (else ValueError naming the field). Leaves
+        of different dtypes are promoted as :func:`numpy.concatenate` does, unless that
+        changes a value (TypeError naming the field): ``uint64`` with ``int64``, or large
+        ``int64`` values with floats, would become ``float64`` and be rounded. Under
+        :func:`jax.jit` (traced leaves) the values are unknown, so the dtypes must be equal.
+        """
         if not batches:
             raise ValueError("concatenate needs at least one TransitionBatch")
         for b in batches:
@@ -298,7 +306,36 @@ class TransitionBatch:
             )
         if len(batches) == 1:
             return batches[0]
-        return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs, axis=0), *batches)
+        traced = any(
+            isinstance(x, jax.core.Tracer) for b in batches for x in jax.tree_util.tree_leaves(b)
+        )
+
+        def join(path: Any, *xs: Any) -> Any:
+            name = jax.tree_util.keystr(path)
+            shapes = sorted({np.shape(x)[1:] for x in xs})
+            if len(shapes) > 1:
+                raise ValueError(f"cannot concatenate {name} with per-row shapes {shapes}")
+            dtypes = [np.dtype(x.dtype) if hasattr(x, "dtype") else None for x in xs]
+            if traced:
+                if len(set(dtypes)) > 1:
+                    raise TypeError(f"cannot concatenate traced {name} of dtypes {dtypes}")
+                return jnp.concatenate(xs, axis=0)
+            xs = [np.asarray(x) for x in xs]
+            out = np.concatenate(xs, axis=0)
+            for x in xs:
+                if x.dtype == out.dtype:
+                    continue
+                with np.errstate(invalid="ignore", over="ignore"):
+                    back = x.astype(out.dtype).astype(x.dtype)
+                if not np.array_equal(back, x, equal_nan=x.dtype.kind in "fc"):
+                    kinds = sorted({str(x.dtype) for x in xs})
+                    raise TypeError(
+                        f"cannot concatenate {name}: the dtypes {kinds} promote to {out.dtype}, "
+                        f"which changes values; cast them to one dtype first"
+                    )
+            return out
+
+        return jax.tree_util.tree_map_with_path(join, *batches)
 
     def __repr__(self) -> str:
         def describe(x: Any) -> str:

@@ -172,3 +172,32 @@ def test_fields_with_another_number_of_rows_are_refused():
     with pytest.raises(ValueError, match="extra_info"):
         len(tb.replace(extra_info={"t": np.zeros(4)}))
     assert tb.batch_size == 3 and tb.replace(extra_info={"t": np.zeros((3, 2))}).batch_size == 3
+
+
+def test_concatenate_refuses_per_row_shapes_and_dtypes_that_do_not_join():
+    a, b = make(0), make(1)
+    with pytest.raises(ValueError, match=r"\.S with per-row shapes \[\(3,\), \(4,\)\]"):
+        TransitionBatch.concatenate(a.replace(S=np.zeros((1, 4), np.float32)), b)
+    # uint64 with int64 promotes to float64, which rounds large ids and actions
+    big = a.replace(A=np.array([2**62 + 1], np.uint64))
+    rounded = r"\.A: the dtypes \['int64', 'uint64'\] promote to float64"
+    with pytest.raises(TypeError, match=rounded):
+        TransitionBatch.concatenate(big, b)
+    with pytest.raises(TypeError, match=r"\.A: .*changes values"):
+        TransitionBatch.concatenate(a.replace(A=np.array([2**60 + 1])), b.replace(A=np.ones(1)))
+    # promotions that keep every value are fine: int32 with int64, small ints with floats
+    mixed = TransitionBatch.concatenate(a.replace(A=np.array([5], np.int32)), b)
+    assert mixed.A.dtype == np.int64 and mixed.A.tolist() == [5, 1]
+    rewards = TransitionBatch.concatenate(a.replace(A=np.array([1])), b.replace(A=np.array([0.5])))
+    assert rewards.A.tolist() == [1.0, 0.5]
+    nan = a.replace(logP=np.array([np.nan], np.float32))
+    assert np.isnan(TransitionBatch.concatenate(nan, b.replace(logP=np.zeros(1))).logP[0])
+
+
+def test_concatenate_under_jit_equals_eager():
+    batches = [make(t) for t in range(3)]
+    eager = TransitionBatch.concatenate(*batches)
+    traced = jax.jit(lambda *bs: TransitionBatch.concatenate(*bs))(*batches)
+    assert traced.batch_size == 3
+    for x, y in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(traced)):
+        np.testing.assert_array_equal(x, y)
