@@ -125,7 +125,9 @@ class TransitionBatch:
 
         Two batches are equal when they are of the same type and structure (the same fields
         set, the same containers) and every pair of arrays has the same shape and is
-        :func:`numpy.allclose` (NaNs are unequal, as in coax).
+        :func:`numpy.allclose` (NaNs are unequal, as in coax). Pairs of integer or bool
+        arrays (ids, discrete actions) are compared exactly: a relative tolerance would
+        take ``idx`` 1000000 and 1000001 for equal.
         """
         if type(self) is not type(other):
             return NotImplemented
@@ -137,7 +139,8 @@ class TransitionBatch:
             a, b = np.asarray(a), np.asarray(b)
             if a.shape != b.shape:
                 return False
-            if a.dtype.kind in "biufc" and b.dtype.kind in "biufc":
+            kinds = a.dtype.kind + b.dtype.kind
+            if set(kinds) <= set("biufc") and set(kinds) & set("fc"):
                 if not np.allclose(a, b):
                     return False
             elif not np.array_equal(a, b):

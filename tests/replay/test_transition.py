@@ -201,3 +201,13 @@ def test_concatenate_under_jit_equals_eager():
     assert traced.batch_size == 3
     for x, y in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(traced)):
         np.testing.assert_array_equal(x, y)
+
+
+def test_equality_compares_integers_exactly():
+    batch = TransitionBatch.concatenate(*(make(t) for t in range(2)))
+    ids = np.array([10**6, 2 * 10**6])
+    # allclose's relative tolerance took ids (or actions) 1 apart for equal
+    assert batch.replace(idx=ids) != batch.replace(idx=ids + 1)
+    assert batch.replace(A=np.array([2**40, 0])) != batch.replace(A=np.array([2**40 + 1, 0]))
+    assert batch.replace(idx=ids) == batch.replace(idx=ids.astype(np.int32))
+    assert batch.replace(Rn=batch.Rn + 1e-9) == batch  # floats stay allclose, as coax
