@@ -365,10 +365,11 @@ class _RingStorage:
                 )
             for i, (x, arr) in enumerate(zip(leaves, self._storage)):
                 if x.shape[1:] != arr.shape[1:] or x.dtype != arr.dtype:
+                    path = jax.tree_util.tree_leaves_with_path(stored)[i][0]
                     raise ValueError(
-                        f"leaf {i} of transition_batch has per-item shape {x.shape[1:]} and "
-                        f"dtype {x.dtype}; the buffer holds shape {arr.shape[1:]} and dtype "
-                        f"{arr.dtype}"
+                        f"transition_batch{jax.tree_util.keystr(path)} has per-item shape "
+                        f"{x.shape[1:]} and dtype {x.dtype}; the buffer holds shape "
+                        f"{arr.shape[1:]} and dtype {arr.dtype}"
                     )
             if not all(arr.flags.writeable for arr in self._storage):
                 raise ValueError("the buffer is read-only (loaded with mmap_mode='r')")

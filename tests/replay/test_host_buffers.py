@@ -2,7 +2,9 @@
 
 import pickle
 
+import gymnasium
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -323,3 +325,24 @@ def test_priorities_and_total_priority_of_held_transitions():
         buffer.priorities([0])
     with pytest.raises(TypeError):
         buffer.priorities([1.5])
+
+
+@pytest.mark.parametrize("cls", BUFFERS)
+def test_a_transition_that_does_not_fit_is_refused_naming_its_field(cls):
+    # e.g. epsilon-greedy: int64 actions from action_space.sample(), int32 from jnp.argmax
+    env = gymnasium.make("CartPole-v1")
+    obs, _ = env.reset(seed=0)
+    buffer = cls(10, random_seed=0)
+
+    def step(action):
+        return TransitionBatch.from_single(
+            s={"obs": obs}, a=action, logp=0.0, r=1.0, done=False, gamma=0.9
+        )
+
+    buffer.add(step(env.action_space.sample()))
+    with pytest.raises(ValueError, match=r"\.A has per-item shape \(\) and dtype int32; .* int64"):
+        buffer.add(step(jnp.argmax(jnp.array([0.1, 0.9]))))
+    with pytest.raises(ValueError, match=r"\.S\['obs'\] has per-item shape \(2,\)"):
+        buffer.add(step(0).replace(S={"obs": np.zeros((1, 2), np.float32)}))
+    assert len(buffer) == 1
+    env.close()
