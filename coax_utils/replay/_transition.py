@@ -17,6 +17,7 @@ from coax_utils._dataclass import pytree_dataclass
 __all__ = ["TransitionBatch"]
 
 _INT64 = np.iinfo(np.int64)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @pytree_dataclass
@@ -93,8 +94,10 @@ class TransitionBatch:
     def _check_rows(self) -> int:
         """The batch size, after checking that every leaf has that leading axis."""
         n = int(np.shape(self.Rn)[0])
-        for path, x in jax.tree_util.tree_leaves_with_path(self):
-            if np.ndim(x) == 0 or np.shape(x)[0] != n:
+        if all(getattr(x, "shape", ())[:1] == (n,) for x in jax.tree_util.tree_leaves(self)):
+            return n
+        for path, x in jax.tree_util.tree_leaves_with_path(self):  # name the first bad one
+            if np.shape(x)[:1] != (n,):
                 raise ValueError(
                     f"every field of a TransitionBatch needs the leading batch axis of Rn "
                     f"({n} rows); {jax.tree_util.keystr(path)} has shape {np.shape(x)}"
@@ -208,11 +211,12 @@ class TransitionBatch:
             if x is None:
                 return None
             check_finite_number(x, name)
-            with np.errstate(over="ignore"):
-                x32 = np.asarray(x, np.float32)
-            if not np.isfinite(x32):
-                raise ValueError(f"{name} must be finite as a float32, got {x!r}")
-            return x32
+            v = float(x)
+            if abs(v) > _FLOAT32_MAX:  # rounds to the largest float32 or overflows
+                with np.errstate(over="ignore"):
+                    if not np.isfinite(np.float32(v)):
+                        raise ValueError(f"{name} must be finite as a float32, got {x!r}")
+            return np.float32(v)
 
         values = {name: number(x, name) for name, x in (("logp", logp), ("r", r), ("w", w))}
         logp_next = number(logp_next, "logp_next")
