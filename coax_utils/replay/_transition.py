@@ -348,9 +348,12 @@ class TransitionBatch:
         def describe(x: Any) -> str:
             if x is None:
                 return "None"
-            return repr(
-                jax.tree_util.tree_map(lambda v: f"{np.dtype(v.dtype)}{list(np.shape(v))}", x)
-            )
+            return repr(jax.tree_util.tree_map(describe_leaf, x))
+
+        def describe_leaf(v: Any) -> str:
+            if hasattr(v, "dtype") and hasattr(v, "shape"):
+                return f"{np.dtype(v.dtype)}{list(v.shape)}"
+            return type(v).__name__  # e.g. a Python number left by a tree_map
 
         parts = ", ".join(
             f"{f.name}={describe(getattr(self, f.name))}" for f in dataclasses.fields(self)

@@ -211,3 +211,11 @@ def test_equality_compares_integers_exactly():
     assert batch.replace(A=np.array([2**40, 0])) != batch.replace(A=np.array([2**40 + 1, 0]))
     assert batch.replace(idx=ids) == batch.replace(idx=ids.astype(np.int32))
     assert batch.replace(Rn=batch.Rn + 1e-9) == batch  # floats stay allclose, as coax
+
+
+def test_repr_describes_any_leaf():
+    tb = make(1)
+    assert "S='float32[1, 3]'" in repr(tb) and "idx=None" in repr(tb)
+    sums = jax.tree_util.tree_map(lambda x: float(x.sum()), tb)  # Python numbers as leaves
+    assert "Rn='float'" in repr(sums)
+    assert "A='int32[]'" in repr(tb.replace(A=jnp.int32(0)))  # a JAX scalar
