@@ -27,6 +27,10 @@ class InsufficientCacheError(IndexError):
 
 def _snapshot(x: Any) -> Any:
     """``x`` with its NumPy arrays copied (JAX arrays are immutable, other leaves kept)."""
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    if x is None or type(x) in (int, float, bool):
+        return x
     return jax.tree_util.tree_map(lambda v: v.copy() if isinstance(v, np.ndarray) else v, x)
 
 

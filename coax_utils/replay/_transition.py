@@ -305,7 +305,8 @@ class TransitionBatch:
             raise ValueError("concatenate needs at least one TransitionBatch")
         for b in batches:
             b._check_rows()
-        structures = {jax.tree_util.tree_structure(b) for b in batches}
+        flat = [jax.tree_util.tree_flatten(b) for b in batches]
+        structures = {treedef for _, treedef in flat}
         if len(structures) != 1:
             raise ValueError(
                 "cannot concatenate TransitionBatch objects whose fields differ in structure "
@@ -313,22 +314,28 @@ class TransitionBatch:
             )
         if len(batches) == 1:
             return batches[0]
-        traced = any(
-            isinstance(x, jax.core.Tracer) for b in batches for x in jax.tree_util.tree_leaves(b)
-        )
+        columns = list(zip(*(leaves for leaves, _ in flat)))
+        traced = any(isinstance(x, jax.core.Tracer) for xs in columns for x in xs)
 
-        def join(path: Any, *xs: Any) -> Any:
-            name = jax.tree_util.keystr(path)
-            shapes = sorted({np.shape(x)[1:] for x in xs})
-            if len(shapes) > 1:
-                raise ValueError(f"cannot concatenate {name} with per-row shapes {shapes}")
-            dtypes = [np.dtype(x.dtype) if hasattr(x, "dtype") else None for x in xs]
+        def field(i: int) -> str:  # the name of leaf i, for errors
+            return jax.tree_util.keystr(jax.tree_util.tree_leaves_with_path(batches[0])[i][0])
+
+        def join(i: int, xs: tuple) -> Any:
             if traced:
+                dtypes = [np.dtype(x.dtype) for x in xs]
                 if len(set(dtypes)) > 1:
-                    raise TypeError(f"cannot concatenate traced {name} of dtypes {dtypes}")
+                    raise TypeError(f"cannot concatenate traced {field(i)} of dtypes {dtypes}")
+                shapes = sorted({np.shape(x)[1:] for x in xs})
+                if len(shapes) > 1:
+                    raise ValueError(f"cannot concatenate {field(i)} with per-row shapes {shapes}")
                 return jnp.concatenate(xs, axis=0)
             xs = [np.asarray(x) for x in xs]
-            out = np.concatenate(xs, axis=0)
+            try:
+                out = np.concatenate(xs, axis=0)
+            except ValueError:
+                shapes = sorted({x.shape[1:] for x in xs})
+                what = f"{field(i)} with per-row shapes {shapes}"
+                raise ValueError(f"cannot concatenate {what}") from None
             for x in xs:
                 if x.dtype == out.dtype:
                     continue
@@ -337,12 +344,12 @@ class TransitionBatch:
                 if not np.array_equal(back, x, equal_nan=x.dtype.kind in "fc"):
                     kinds = sorted({str(x.dtype) for x in xs})
                     raise TypeError(
-                        f"cannot concatenate {name}: the dtypes {kinds} promote to {out.dtype}, "
-                        f"which changes values; cast them to one dtype first"
+                        f"cannot concatenate {field(i)}: the dtypes {kinds} promote to "
+                        f"{out.dtype}, which changes values; cast them to one dtype first"
                     )
             return out
 
-        return jax.tree_util.tree_map_with_path(join, *batches)
+        return structures.pop().unflatten([join(i, xs) for i, xs in enumerate(columns)])
 
     def __repr__(self) -> str:
         def describe(x: Any) -> str:
