@@ -210,9 +210,9 @@ class _BaseTracer(abc.ABC):
         for name, value in (("r", r), ("logp", logp), ("w", w)):
             check_finite_number(value, name)
         done, truncated = check_flag(done, "done"), check_flag(truncated, "truncated")
+        s, a, s_next = _snapshot(s), _snapshot(a), _snapshot(s_next)
         if self._ended:  # previous episode fully consumed: start a new one
             self.reset()
-        s, a, s_next = _snapshot(s), _snapshot(a), _snapshot(s_next)
         self._steps.append((s, a, r, logp, w))
         self._terminated = done
         self._truncated = truncated and not done

@@ -304,14 +304,25 @@ class TransitionBatch:
         if not batches:
             raise ValueError("concatenate needs at least one TransitionBatch")
         for b in batches:
+            if not isinstance(b, TransitionBatch):
+                raise TypeError(
+                    f"concatenate takes TransitionBatch objects, got {type(b).__name__}"
+                )
             b._check_rows()
         flat = [jax.tree_util.tree_flatten(b) for b in batches]
         structures = {treedef for _, treedef in flat}
         if len(structures) != 1:
-            raise ValueError(
-                "cannot concatenate TransitionBatch objects whose fields differ in structure "
-                "(e.g. one has A_next or W set and another has not)"
-            )
+            k = next(k for k, (_, treedef) in enumerate(flat) if treedef != flat[0][1])
+            for f in dataclasses.fields(cls):
+                x, y = getattr(batches[0], f.name), getattr(batches[k], f.name)
+                sx, sy = (jax.tree_util.tree_structure(v) for v in (x, y))
+                if sx != sy:
+                    raise ValueError(
+                        f"cannot concatenate TransitionBatch objects whose fields differ in "
+                        f"structure: {f.name} is {'None' if x is None else sx} in batch 0 and "
+                        f"{'None' if y is None else sy} in batch {k}"
+                    )
+            raise ValueError(f"cannot concatenate a {type(batches[k]).__name__} (batch {k})")
         if len(batches) == 1:
             return batches[0]
         columns = list(zip(*(leaves for leaves, _ in flat)))

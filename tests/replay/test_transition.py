@@ -219,3 +219,14 @@ def test_repr_describes_any_leaf():
     sums = jax.tree_util.tree_map(lambda x: float(x.sum()), tb)  # Python numbers as leaves
     assert "Rn='float'" in repr(sums)
     assert "A='int32[]'" in repr(tb.replace(A=jnp.int32(0)))  # a JAX scalar
+
+
+def test_concatenate_names_the_field_whose_structure_differs():
+    a = make(0).replace(S={"pos": np.zeros((1, 2)), "vel": np.zeros((1, 2))})
+    b = make(1).replace(S={"pos": np.zeros((1, 2))})
+    with pytest.raises(ValueError, match=r"structure: S is .*'vel'.* in batch 0 and .* in batch 2"):
+        TransitionBatch.concatenate(a, a, b)
+    with pytest.raises(ValueError, match=r"structure: W is .* in batch 0 and None in batch 1"):
+        TransitionBatch.concatenate(a, a.replace(W=None))
+    with pytest.raises(TypeError, match="TransitionBatch objects, got dict"):
+        TransitionBatch.concatenate(a, {"S": 1})
