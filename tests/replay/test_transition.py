@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coax_utils.replay import TransitionBatch
 
@@ -230,3 +232,22 @@ def test_concatenate_names_the_field_whose_structure_differs():
         TransitionBatch.concatenate(a, a.replace(W=None))
     with pytest.raises(TypeError, match="TransitionBatch objects, got dict"):
         TransitionBatch.concatenate(a, {"S": 1})
+
+
+_take = jax.jit(lambda b, i: b[i])  # compiled once per batch shape, not per example
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.lists(st.integers(0, 6), max_size=3), st.booleans())
+def test_slices_singles_and_concatenate_round_trip(n, cuts, pytree_obs):
+    rows = [make(t) for t in range(n)]
+    if pytree_obs:
+        rows = [r.replace(S={"b": r.S, "a": (r.A, r.S[:, :1])}) for r in rows]
+    tb = TransitionBatch.concatenate(*rows)
+    bounds = [0, *sorted(min(c, n) for c in cuts), n]
+    parts = [tb[lo:hi] for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    assert TransitionBatch.concatenate(*parts) == tb
+    assert TransitionBatch.concatenate(*tb.to_singles()) == tb
+    for i in range(-n, n):
+        assert tb[i] == tb[i % n : i % n + 1] == rows[i % n]
+        assert _take(tb, i) == tb[i]
