@@ -13,7 +13,7 @@ import gymnasium
 import jax
 import numpy as np
 
-from coax_utils._checks import check_float, check_int
+from coax_utils._checks import check_float, check_int, check_seed
 from coax_utils.replay._transition import TransitionBatch
 from coax_utils.utils import safe_sample
 
@@ -42,6 +42,7 @@ def get_transition_batch(
     random_seed : int, optional
         In order to generate the transition, we do some random sampling from the provided
         spaces. This ``random_seed`` sets the seed for the pseudo-random number generators.
+        It must be a non-negative int (a bool raises TypeError).
 
     Returns
     -------
@@ -61,7 +62,7 @@ def get_transition_batch(
         if not isinstance(getattr(env, attr, None), gymnasium.Space):
             raise TypeError(f"env must have a gymnasium {attr}, got {env!r}")
 
-    rng = np.random.default_rng(random_seed)
+    rng = np.random.default_rng(check_seed(random_seed))
 
     def batch_sample(space: gymnasium.Space) -> Any:
         xs = [safe_sample(space, rng) for _ in range(n)]

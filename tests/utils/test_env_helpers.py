@@ -261,6 +261,11 @@ def test_get_transition_batch_with_nested_spaces_and_bad_arguments():
         utils.get_transition_batch(env, batch_size=2.0)
     with pytest.raises(ValueError, match="gamma"):
         utils.get_transition_batch(env, gamma=1.5)
+    # a bool seed (e.g. a --deterministic flag) was taken as seed 1; other bad seeds raised
+    # NumPy's SeedSequence messages, which do not name the argument
+    for seed, error in ((True, TypeError), (1.5, TypeError), (-1, ValueError)):
+        with pytest.raises(error, match="random_seed"):
+            utils.get_transition_batch(env, random_seed=seed)
 
 
 # -- render_episode ------------------------------------------------------------------------
