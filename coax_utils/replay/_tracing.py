@@ -199,8 +199,9 @@ class _BaseTracer(abc.ABC):
             If ``r``, ``logp`` or ``w`` is not a real number (a string, say), or ``done`` or
             ``truncated`` is not a bool (or a number that is 0 or 1).
         ValueError
-            If ``r``, ``logp`` or ``w`` is not a single finite number. A rejected step
-            changes nothing.
+            If ``r``, ``logp`` or ``w`` is not a single finite number, or ``done`` or
+            ``truncated`` is an array of more than one value. A rejected step changes
+            nothing.
         """
         if self._ended and len(self):
             raise EpisodeDoneError(
