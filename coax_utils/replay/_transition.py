@@ -93,7 +93,13 @@ class TransitionBatch:
 
     def _check_rows(self) -> int:
         """The batch size, after checking that every leaf has that leading axis."""
-        n = int(np.shape(self.Rn)[0])
+        shape = getattr(self.Rn, "shape", ())
+        if len(shape) == 0:
+            raise ValueError(
+                f"Rn must be an array with a leading batch axis, got {self.Rn!r:.80} (inside "
+                f"jax.vmap over the batch, each row has none)"
+            )
+        n = int(shape[0])
         if all(getattr(x, "shape", ())[:1] == (n,) for x in jax.tree_util.tree_leaves(self)):
             return n
         for path, x in jax.tree_util.tree_leaves_with_path(self):  # name the first bad one

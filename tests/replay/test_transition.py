@@ -251,3 +251,14 @@ def test_slices_singles_and_concatenate_round_trip(n, cuts, pytree_obs):
     for i in range(-n, n):
         assert tb[i] == tb[i % n : i % n + 1] == rows[i % n]
         assert _take(tb, i) == tb[i]
+
+
+def test_batch_size_of_a_row_without_batch_axis_is_a_clear_error():
+    tb = TransitionBatch.concatenate(make(0), make(1))
+    for bad in (
+        lambda: jax.vmap(lambda row: row.batch_size)(tb),  # rows inside vmap have no batch axis
+        lambda: tb.replace(Rn=np.float32(1.0)).batch_size,
+        lambda: len(tb.replace(Rn=None)),
+    ):
+        with pytest.raises(ValueError, match="Rn must be an array with a leading batch axis"):
+            bad()
