@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -50,11 +51,17 @@ def step_without_autoreset(
       reported as ``truncated``, any other ``done`` as ``terminated``. Without a time limit
       to check, ``done`` is ``terminated`` and ``truncated`` is always False.
     - envs with only ``step`` (5 or 6 values) are read the same way; such a ``step`` must
-      not reset the env by itself, or ``obs`` is not the last observation of an episode.
+      not reset the env by itself, or ``obs`` is not the last observation of an episode,
+      except that a 6-value ``step`` whose info holds ``"final_observation"`` (gymnax >=
+      1.0's autoresetting ``step``, and its wrappers') returns that as ``obs`` (the returned
+      state is then the reset one).
 
     ``step_env`` (gymnax's step without autoreset) is preferred to ``step``, so the returned
     observation and state are the real last ones of an episode, as bootstrapping after a
-    truncation needs; the caller resets the env.
+    truncation needs; the caller resets the env. Only the env's own ``step_env`` is used:
+    gymnax wrappers (``LogWrapper``, ``FlattenObservationWrapper``, ...) forward unknown
+    attributes to the env they wrap, and that ``step_env`` would skip the wrapper, so a
+    wrapped env is stepped with its ``step``.
 
     Parameters
     ----------
@@ -92,7 +99,10 @@ def step_without_autoreset(
     >>> bool(terminated), bool(truncated), int(state.time)
     (False, True, 200)
     """
-    step_env = getattr(env, "step_env", None)
+    # a gymnax wrapper forwards unknown attributes to the env it wraps: that step_env
+    # would skip the wrapper (and get the wrapper's state), so only the env's own counts
+    own_step_env = inspect.getattr_static(env, "step_env", None) is not None
+    step_env = getattr(env, "step_env", None) if own_step_env else None
     if callable(step_env):
         out = _count(step_env(key, state, action, params), "env.step_env")
         if len(out) == 5:
@@ -103,6 +113,9 @@ def step_without_autoreset(
         new_api = False
     if len(out) == 6:
         obs, next_state, reward, terminated, truncated, info = out
+        if step_env is None and isinstance(info, dict) and "final_observation" in info:
+            # gymnax >= 1.0's autoresetting step keeps the observation before the reset
+            obs = info["final_observation"]
         return obs, next_state, reward, terminated, truncated, info
     obs, next_state, reward, done, info = out
     done = jnp.asarray(done, jnp.bool_)

@@ -121,3 +121,29 @@ def test_jax_to_gymnasium_discrete_observations_are_in_the_space():
         warnings.simplefilter("always")
         check_env(env, skip_render_check=True)
     assert not caught, [str(w.message) for w in caught]
+
+
+def test_wrapped_gymnax_envs_step_through_their_wrappers():
+    # gymnax wrappers forward unknown attributes to the inner env: its step_env skips the
+    # wrapper (an unflattened observation, or the inner env fed the wrapper's state)
+    from gymnax.wrappers.purerl import FlattenObservationWrapper, LogWrapper
+
+    genv, params = gymnax.make("Breakout-MinAtar")
+    env = JaxToGymnasium(FlattenObservationWrapper(genv), params, seed=0)
+    obs, _ = env.reset()
+    for _ in range(300):
+        obs, _, terminated, truncated, _ = env.step(env.action_space.sample())
+        assert obs.shape == (400,) and env.observation_space.contains(obs)
+        if terminated or truncated:
+            break
+    assert terminated
+
+    genv, params = gymnax.make("CartPole-v1")
+    env = JaxToGymnasium(LogWrapper(genv), params, seed=1)
+    env.reset()
+    for _ in range(500):
+        obs, _, terminated, truncated, info = env.step(1)
+        if terminated or truncated:
+            break
+    assert terminated and not truncated and bool(info["returned_episode"])
+    assert abs(obs[2]) > params.theta_threshold_radians  # the terminal obs, not a reset one
