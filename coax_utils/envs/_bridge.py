@@ -179,7 +179,11 @@ class GymnasiumToJax:
     :class:`~gymnasium.vector.AsyncVectorEnv` reset their sub-envs themselves, following
     their own ``autoreset_mode`` (gymnasium's default is next-step: the step after the end
     returns the reset observation with zero reward); the bridge adds nothing, and
-    observations, rewards and flags carry a leading ``num_envs`` axis.
+    observations, rewards and flags carry a leading ``num_envs`` axis. A vector env with
+    ``autoreset_mode=AutoresetMode.DISABLED`` does not reset its sub-envs, so the bridge
+    treats it like a single env: ``step`` resets the sub-envs whose episode ended
+    (``env.reset(options={"reset_mask": done})``, same step, the last observations in
+    ``info["final_obs"]``), and after an end in ``step_env`` the next call must be ``reset``.
 
     **Info.** A gymnasium info dict has no fixed shape, so it is not passed through whole.
     The returned ``info`` contains exactly:
@@ -196,10 +200,10 @@ class GymnasiumToJax:
     error that carries the message): :func:`jax.vmap` over ``reset``/``step`` (use a
     gymnasium vector env for batches), ``step`` before ``reset``, ``step`` with a stale
     state, i.e. any state other than the one returned by the latest ``reset``/``step``
-    (e.g. stepping the same state twice), stepping a single env whose episode ended in
-    ``step_env`` without a ``reset`` in between, and stepping again after a step or reset
-    whose observation or info could not be converted (the env has moved on, so no earlier
-    state describes it: only ``reset`` goes on).
+    (e.g. stepping the same state twice), stepping a single env (or a vector env without
+    autoreset) whose episode ended in ``step_env`` without a ``reset`` in between, and
+    stepping again after a step or reset whose observation or info could not be converted
+    (the env has moved on, so no earlier state describes it: only ``reset`` goes on).
 
     Parameters
     ----------
@@ -247,6 +251,11 @@ class GymnasiumToJax:
             check_seed(seed, "seed")
         self.env = env
         self.num_envs = int(env.num_envs) if isinstance(env, gymnasium.vector.VectorEnv) else None
+        # a vector env whose sub-envs never reset themselves: the bridge resets them
+        self._reset_sub_envs = self.num_envs is not None and (
+            getattr(env, "metadata", {}).get("autoreset_mode")
+            == gymnasium.vector.AutoresetMode.DISABLED
+        )
         self._seed = None if seed is None else int(seed)
         self._obs_space = to_jax_space(env.observation_space)
         check_jax_can_hold(self._obs_space, "the observation space")
@@ -377,7 +386,8 @@ class GymnasiumToJax:
     ) -> tuple[Any, GymnasiumState, jax.Array, jax.Array, jax.Array, dict]:
         """Take one step without autoreset (same arguments and returns as :meth:`step`).
 
-        After a single env's episode ends here, the next call must be :meth:`reset`. For
+        After a single env's episode ends here, the next call must be :meth:`reset`; so too
+        after any sub-env's end in a vector env with ``autoreset_mode`` DISABLED. For other
         vector envs this is the same as :meth:`step`.
         """
         return self._step(self._call_step_env, state, action)
@@ -546,6 +556,14 @@ class GymnasiumToJax:
                     leaves = self._obs_leaves(obs, "the observation of reset")
                 else:
                     self._must_reset = "the episode ended in step_env"
+        elif self._reset_sub_envs:
+            done = np.logical_or(terminated, truncated)
+            if np.any(done):
+                if autoreset:
+                    obs, _ = self.env.reset(options={"reset_mask": done})
+                    leaves = self._obs_leaves(obs, "the observation of reset")
+                else:
+                    self._must_reset = "a sub-env's episode ended in step_env"
         elif "final_obs" in info and "_final_obs" in info:
             final = self._final_obs_of_vector(final, info)
         extra = self._info_leaves(info) if self._info_spec else []

@@ -159,6 +159,42 @@ def test_sync_vector_env_gives_batched_steps_with_autoreset(mode):
         assert not np.array_equal(b_final, b_obs)
 
 
+def test_vector_env_without_autoreset_is_reset_by_the_bridge():
+    # with autoreset_mode DISABLED the sub-envs never reset themselves: stepping on after an
+    # end failed on gymnasium's assert, or (python -O) went on past the end of the episode
+    def make():
+        return gymnasium.vector.SyncVectorEnv(
+            [_make_cartpole] * 2, autoreset_mode=gymnasium.vector.AutoresetMode.DISABLED
+        )
+
+    actions = np.ones((60, 2), np.int64)
+    oracle = make()
+    first, _ = oracle.reset(seed=4)
+    rows = []
+    for a in actions:
+        obs, reward, terminated, truncated, _ = oracle.step(a)
+        final, done = obs, terminated | truncated
+        if done.any():
+            obs, _ = oracle.reset(options={"reset_mask": done})
+        rows.append((obs, reward.astype(np.float32), terminated, truncated, final))
+    assert sum(r[2].sum() for r in rows) >= 4
+    benv = GymnasiumToJax(make(), seed=4)
+    b_first, (b_obs, b_rew, b_term, b_trunc, b_final) = bridge_rollout(benv, actions)
+    np.testing.assert_array_equal(b_first, first)
+    for got, i in ((b_obs, 0), (b_rew, 1), (b_term, 2), (b_trunc, 3), (b_final, 4)):
+        np.testing.assert_array_equal(got, np.stack([r[i] for r in rows]))
+    assert np.abs(b_obs[..., 2]).max() < 0.2095  # every observation is within an episode
+
+    _, state = benv.reset(jax.random.key(0))
+    step_env = jax.jit(benv.step_env)
+    for _ in range(60):
+        _, state, _, terminated, truncated, _ = step_env(None, state, jnp.ones(2, jnp.int32))
+        if bool((terminated | truncated).any()):
+            break
+    with pytest.raises(Exception, match="episode ended"):
+        jax.block_until_ready(step_env(None, state, jnp.ones(2, jnp.int32)))
+
+
 def test_async_vector_env_matches_the_sync_one():
     actions = np.random.default_rng(3).integers(0, 2, size=(30, 2))
     sync = GymnasiumToJax(gymnasium.vector.SyncVectorEnv([_make_cartpole] * 2), seed=8)
