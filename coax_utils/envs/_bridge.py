@@ -9,6 +9,7 @@ gymnax API, calling it from jitted code with :func:`jax.experimental.io_callback
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,6 +33,10 @@ from coax_utils.envs._step import step_without_autoreset
 __all__ = ["GymnasiumParams", "GymnasiumState", "GymnasiumToJax", "JaxToGymnasium"]
 
 _COUNTER_MOD = 2**32
+# each bridge starts counting at its own point, spread over the uint32 range (a golden-ratio
+# stride), so that a state of one bridge is refused by another
+_COUNTER_STRIDE = 0x9E3779B9
+_instances = itertools.count()
 
 
 @pytree_dataclass
@@ -40,9 +45,10 @@ class GymnasiumState:
 
     The real env state lives in the wrapped gymnasium env on the host; this pytree only
     carries ``counter``, the number of ``reset``/``step`` calls the env has served when the
-    state was produced (uint32, wrapping around). The host checks it on every ``step``, so a
-    stale state (one that was already stepped) is refused instead of silently stepping the
-    env from wherever it is now.
+    state was produced, counted from a starting point of its own for each bridge (uint32,
+    wrapping around). The host checks it on every ``step``, so a stale state (one that was
+    already stepped) or a state of another bridge is refused instead of silently stepping
+    the env from wherever it is now.
     """
 
     counter: Any
@@ -199,8 +205,8 @@ class GymnasiumToJax:
     it cannot honour, with a :class:`ValueError` (surfacing from jitted code as a runtime
     error that carries the message): :func:`jax.vmap` over ``reset``/``step`` (use a
     gymnasium vector env for batches), ``step`` before ``reset``, ``step`` with a stale
-    state, i.e. any state other than the one returned by the latest ``reset``/``step``
-    (e.g. stepping the same state twice), stepping a single env (or a vector env without
+    state, i.e. any state other than the one returned by the latest ``reset``/``step`` of
+    this bridge (e.g. stepping the same state twice), stepping a single env (or a vector env without
     autoreset) whose episode ended in ``step_env`` without a ``reset`` in between, and
     stepping again after a step or reset whose observation or info could not be converted
     (the env has moved on, so no earlier state describes it: only ``reset`` goes on).
@@ -293,7 +299,7 @@ class GymnasiumToJax:
         )
 
         # host-side bookkeeping
-        self._counter = 0
+        self._counter = next(_instances) * _COUNTER_STRIDE % _COUNTER_MOD
         self._reset_done = False
         # why the next step is refused until a reset (None when it may go on)
         self._must_reset: str | None = None
@@ -516,10 +522,10 @@ class GymnasiumToJax:
             )
         if counter != self._counter:
             raise ValueError(
-                f"GymnasiumToJax.step got a stale state (call counter {counter}, but the env "
-                f"has served {self._counter} calls): pass the state returned by the latest "
-                "reset or step; the wrapped env cannot step from an earlier state, and calls "
-                "must happen in order"
+                f"GymnasiumToJax.step got a stale state (call counter {counter}, but the "
+                f"env's latest state has {self._counter}): pass the state returned by the "
+                "latest reset or step of this bridge; the wrapped env cannot step from an "
+                "earlier state, and calls must happen in order"
             )
         if self._must_reset is not None:
             raise ValueError(

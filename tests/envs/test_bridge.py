@@ -238,6 +238,21 @@ def test_stale_state_and_out_of_order_calls_raise_without_side_effects():
     np.testing.assert_array_equal(obs2, oracle.step(0)[0])
 
 
+def test_a_state_of_another_bridge_is_refused():
+    # a train and an eval env: after one reset each, both states had the same call counter,
+    # so eval.step(train_state) stepped the eval env as if nothing were wrong
+    train = GymnasiumToJax(gymnasium.make("CartPole-v1"), seed=0)
+    evaluation = GymnasiumToJax(gymnasium.make("CartPole-v1"), seed=1)
+    _, train_state = train.reset(jax.random.key(0))
+    obs, eval_state = evaluation.reset(jax.random.key(0))
+    with pytest.raises(Exception, match="stale state"):
+        jax.block_until_ready(evaluation.step(None, train_state, jnp.int32(1)))
+    oracle = gymnasium.make("CartPole-v1")
+    np.testing.assert_array_equal(obs, oracle.reset(seed=1)[0])
+    obs, *_ = evaluation.step(None, eval_state, jnp.int32(1))  # the refusal stepped nothing
+    np.testing.assert_array_equal(obs, oracle.step(1)[0])
+
+
 def test_step_env_does_not_autoreset_and_refuses_to_continue():
     benv = GymnasiumToJax(gymnasium.make("CartPole-v1"), seed=0)
     _, state = benv.reset(jax.random.key(0))
