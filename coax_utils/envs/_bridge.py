@@ -627,7 +627,9 @@ class JaxToGymnasium(gymnasium.Env):
         The seed used by the first ``reset`` when it is called without one.
     render_mode : {None, "rgb_array"}, optional
         With ``"rgb_array"``, :meth:`render` returns ``env.render(state, params)`` as a uint8
-        array, so the JAX env must have such a ``render`` method.
+        array, so the JAX env must have such a ``render`` method, returning uint8 frames or
+        integer ones within [0, 255] (float frames are refused: cast as they are, frames
+        drawn in [0, 1] came out black).
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 30}
@@ -698,10 +700,33 @@ class JaxToGymnasium(gymnasium.Env):
         )
 
     def render(self) -> np.ndarray | None:
-        """The current frame (``render_mode="rgb_array"``), or None without a render mode."""
+        """The current frame (``render_mode="rgb_array"``), or None without a render mode.
+
+        Raises
+        ------
+        TypeError
+            When the JAX env's frame is not of an integer dtype (a float frame's scale,
+            [0, 1] or [0, 255], cannot be told).
+        ValueError
+            When an integer frame has values outside [0, 255].
+        """
         if self.render_mode is None or self._state is None:
             return None
-        return np.array(self.jax_env.render(self._state, self.params), dtype=np.uint8)
+        frame = np.asarray(self.jax_env.render(self._state, self.params))
+        if frame.dtype == np.uint8:
+            return np.array(frame)
+        if frame.dtype == np.bool_ or not np.issubdtype(frame.dtype, np.integer):
+            raise TypeError(
+                f"the JAX env rendered a frame of dtype {frame.dtype}; JaxToGymnasium needs "
+                "uint8 frames (colours 0..255), e.g. (frame * 255).astype(jnp.uint8) for a "
+                "float frame in [0, 1]"
+            )
+        if frame.size and (frame.min() < 0 or frame.max() > 255):
+            raise ValueError(
+                f"the JAX env rendered a {frame.dtype} frame with values in [{frame.min()}, "
+                f"{frame.max()}]; colours must lie in [0, 255]"
+            )
+        return frame.astype(np.uint8)
 
     def _to_numpy(self, x: Any, space: gymnasium.Space) -> Any:
         if isinstance(space, gymnasium.spaces.Tuple):

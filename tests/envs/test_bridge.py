@@ -350,6 +350,22 @@ def test_jax_to_gymnasium_seeding_and_errors():
         JaxToGymnasium(DriftEnvWithoutRender(), render_mode="rgb_array")
 
 
+class LineEnvWithFloatFrames(LineEnv):
+    def render(self, state, params):  # colours in [0, 1], as many JAX renderers draw
+        return super().render(state, params) / 255.0
+
+
+def test_jax_to_gymnasium_refuses_frames_it_cannot_give_as_uint8():
+    # a float frame in [0, 1] was cast to uint8 as it was: a black frame, and no error
+    env = JaxToGymnasium(LineEnvWithFloatFrames(), seed=0, render_mode="rgb_array")
+    env.reset()
+    with pytest.raises(TypeError, match="float"):
+        env.render()
+    frame = JaxToGymnasium(LineEnv(), seed=0, render_mode="rgb_array")
+    frame.reset()
+    assert frame.render().max() == 255  # uint8 frames come through as they are
+
+
 class DriftEnvWithoutRender(LineEnv):
     render = None
 
