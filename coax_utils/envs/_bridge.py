@@ -728,6 +728,14 @@ class JaxToGymnasium(gymnasium.Env):
             )
         return frame.astype(np.uint8)
 
+    def close(self) -> None:
+        """Close the JAX env when it has a ``close`` method (a :class:`GymnasiumToJax`
+        closes the gymnasium env it wraps); gymnax envs have nothing to close."""
+        close = getattr(self.jax_env, "close", None)
+        if callable(close):
+            close()
+        super().close()
+
     def _to_numpy(self, x: Any, space: gymnasium.Space) -> Any:
         if isinstance(space, gymnasium.spaces.Tuple):
             return tuple(self._to_numpy(xi, s) for xi, s in zip(x, space.spaces))

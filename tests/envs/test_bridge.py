@@ -382,6 +382,18 @@ def test_round_trip_of_both_bridges_passes_check_env():
     assert terminated and abs(obs[2]) > 0.2094  # step_env kept the terminal observation
 
 
+def test_closing_the_round_trip_closes_the_gymnasium_env():
+    # JaxToGymnasium.close was gymnasium.Env's no-op: the wrapped env stayed open
+    inner = gymnasium.make("CartPole-v1", render_mode="rgb_array")
+    env = JaxToGymnasium(GymnasiumToJax(inner, seed=0))
+    env.reset()
+    inner.render()  # opens CartPole's pygame surface
+    assert inner.unwrapped.isopen
+    env.close()
+    assert not inner.unwrapped.isopen
+    JaxToGymnasium(LineEnv()).close()  # a JAX env without close: nothing to close
+
+
 def test_bridged_jax_env_matches_the_jax_env():
     # JAX -> gymnasium -> JAX, compared with a gymnasium-level rollout of the same env
     actions = np.random.default_rng(4).integers(0, 4, size=50)
