@@ -93,12 +93,23 @@ def _false() -> jax.Array:
 
 
 def _as_array(x: Any) -> jax.Array | None:
-    """``x`` as a JAX array, or None when it is not array-like (a str, a dict, ...)."""
+    """``x`` as a JAX array, or None when it is not array-like (a str, a dict, ...) or holds
+    integers that the dtype JAX uses cannot hold (beyond 32 bits without x64: converted,
+    ``2**32 + 1`` would become ``1``)."""
     if isinstance(x, (str, bytes, Mapping)) or x is None:
         return None
+    if not isinstance(x, jax.Array):
+        try:
+            x = np.asarray(x)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if np.issubdtype(x.dtype, np.integer) and x.size:
+            info = np.iinfo(canonical_dtype(x.dtype))
+            if x.min() < info.min or x.max() > info.max:
+                return None
     try:
         return jnp.asarray(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
 
 
@@ -279,13 +290,14 @@ class Box(Space):
         """Whether ``x`` has the box's shape, a castable dtype, and lies within the bounds.
 
         Like gymnasium, arrays must have a dtype that casts safely to the box's dtype, while
-        Python scalars and lists are first converted to it.
+        Python scalars and lists are first converted to it. Integers that the dtype JAX uses
+        cannot hold (beyond 32 bits without ``jax_enable_x64``) are not contained.
         """
         cdt = canonical_dtype(self.dtype)
         if not isinstance(x, (np.ndarray, np.generic, jax.Array)):
             try:
-                x = jnp.asarray(x, cdt)
-            except (TypeError, ValueError):
+                x = np.asarray(x, self.dtype)
+            except (TypeError, ValueError, OverflowError):
                 return _false()
         x = _as_array(x)
         if x is None or x.shape != self.shape or not np.can_cast(x.dtype, cdt):

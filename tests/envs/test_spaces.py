@@ -1,5 +1,6 @@
 """JAX spaces: jittable sample/contains, and exact conversion to and from gymnasium."""
 
+import warnings
 from collections import OrderedDict
 
 import chex
@@ -179,6 +180,36 @@ def test_discrete_sampling_covers_exactly_the_range():
 def test_contains_rejects(space, bad):
     assert not bool(space.contains(bad))
     assert bad not in space
+
+
+WIDE = 2**32 + 1  # wraps around to 1 in 32 bits
+
+
+@pytest.mark.parametrize(
+    "space, bad",
+    [
+        (gs.Discrete(5), np.int64(WIDE)),
+        (gs.Discrete(5), WIDE),
+        (gs.Discrete(5), np.uint64(2**64 - 1)),
+        (gs.MultiDiscrete([5, 5]), np.array([WIDE, 1])),
+        (gs.Box(0, 5, (2,), np.int64), np.array([WIDE, 1])),
+        (gs.Box(0, 5, (2,), np.int64), [WIDE, 1]),
+        (gs.Box(0, 5, (), np.int64), np.int64(WIDE)),
+        (gs.MultiBinary(2), np.array([2**32, 2**32])),
+    ],
+)
+def test_contains_rejects_64_bit_values_that_wrap_in_32_bits(space, bad):
+    # without jax_enable_x64 the value was cast to 32 bits first: 2**32 + 1 became 1, an
+    # element of the space (or a Python int raised OverflowError)
+    with warnings.catch_warnings():  # gymnasium's Box warns that it casts a list or scalar
+        warnings.simplefilter("ignore")
+        assert not space.contains(bad)  # gymnasium's answer
+    assert not bool(to_jax_space(space).contains(bad))
+
+
+def test_an_int32_box_does_not_contain_a_wide_int64_scalar():
+    # gymnasium's Box casts a NumPy scalar to its dtype first and says yes here
+    assert not bool(envs.Box(0, 5, (), np.int32).contains(np.int64(WIDE)))
 
 
 def test_contains_is_jittable_and_accepts_members():
