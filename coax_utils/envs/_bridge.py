@@ -217,6 +217,9 @@ class GymnasiumToJax:
         The env. Its spaces must be convertible with :func:`to_jax_space`, and the integer
         values of its observation space must fit the dtype JAX uses (32 bits without
         ``jax_enable_x64``): otherwise a ValueError is raised here, as they would wrap around.
+        For the same reason an observation for an integer space that holds floats or
+        integers beyond that dtype is refused (ValueError when it arrives) rather than
+        truncated or wrapped.
     seed : int, optional
         The seed of the first reset.
     info_spec : mapping of str to jax.ShapeDtypeStruct, optional
@@ -478,7 +481,10 @@ class GymnasiumToJax:
             leaves = self._flatten_obs(obs, what)
         out = []
         for x, spec in zip(leaves, self._obs_leaf_specs):
-            arr = np.asarray(x, dtype=spec.dtype)
+            arr = np.asarray(x)
+            if arr.dtype != spec.dtype and np.issubdtype(spec.dtype, np.integer):
+                self._check_int_obs(arr, spec.dtype, what)
+            arr = np.asarray(arr, dtype=spec.dtype)
             if arr.shape != spec.shape:
                 raise ValueError(
                     f"the env returned {what} of shape {arr.shape}, but its observation space "
@@ -486,6 +492,21 @@ class GymnasiumToJax:
                 )
             out.append(arr)
         return out
+
+    def _check_int_obs(self, arr: np.ndarray, dtype: np.dtype, what: str) -> None:
+        """Refuse an observation that casting to the integer ``dtype`` would change."""
+        if arr.dtype != np.bool_ and not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(
+                f"the env returned {what} of dtype {arr.dtype} for its integer observation "
+                f"space {self._obs_space!r}: casting to {dtype} would truncate it"
+            )
+        info = np.iinfo(dtype)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise ValueError(
+                f"the env returned {what} with values in [{arr.min()}, {arr.max()}], beyond "
+                f"the range of {dtype}, the dtype JAX uses for its observation space "
+                f"{self._obs_space!r}: they would wrap around"
+            )
 
     def _flatten_obs(self, obs: Any, what: str) -> list:
         try:

@@ -442,6 +442,22 @@ def test_observations_that_do_not_fit_the_space_raise_clearly():
         jax.block_until_ready(GymnasiumToJax(WrongStructure(), seed=0).reset(jax.random.key(0)))
 
 
+@pytest.mark.parametrize(
+    "scale, match",
+    [(lambda s: s / 15.0, "float64"), (lambda s: np.int64(s) + 2**32, "range")],
+    ids=["float", "wide-int"],
+)
+def test_observations_that_an_integer_space_cannot_hold_are_refused(scale, match):
+    # a FrozenLake whose observations were rescaled without updating its Discrete(16)
+    # space: the floats were truncated (every state but the goal became 0) and the wide
+    # ints wrapped around in 32 bits, both silently
+    env = gymnasium.wrappers.TransformObservation(
+        gymnasium.make("FrozenLake-v1"), scale, gymnasium.make("FrozenLake-v1").observation_space
+    )
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(GymnasiumToJax(env, seed=0).reset(jax.random.key(0)))
+
+
 def test_a_float_seed_is_refused():
     with pytest.raises(TypeError, match="3.0"):
         GymnasiumToJax(gymnasium.make("CartPole-v1"), seed=3.0)
