@@ -25,6 +25,7 @@ from coax_utils.envs._spaces import (
     Space,
     canonical_dtype,
     check_jax_can_hold,
+    jax_can_hold,
     to_gymnasium_space,
     to_jax_space,
 )
@@ -380,8 +381,9 @@ class GymnasiumToJax:
         Raises
         ------
         ValueError
-            When ``action`` does not have the action space's structure and shapes (at trace
-            time), or when it is not an element of the action space (e.g. out of range),
+            When ``action`` does not have the action space's structure and shapes, or holds
+            host integers beyond the dtype JAX uses (32 bits without x64; at trace time), or
+            when it is not an element of the action space (e.g. out of range),
             the state is stale or no reset happened (when the step runs, before the env
             is stepped).
         TypeError
@@ -432,6 +434,14 @@ class GymnasiumToJax:
         out = []
         for x, spec in zip(leaves, self._act_leaf_specs):
             try:
+                if not isinstance(x, jax.Array):
+                    x = np.asarray(x)
+                    if not jax_can_hold(x):
+                        raise ValueError(
+                            f"action {action!r} is beyond the range of {canonical_dtype(x.dtype)}, "
+                            "the dtype JAX uses for it: it would wrap around; it is not an "
+                            f"element of the action space {self._act_space!r}"
+                        )
                 x = jnp.asarray(x)
             except TypeError as e:
                 raise ValueError(

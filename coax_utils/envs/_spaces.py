@@ -92,10 +92,18 @@ def _false() -> jax.Array:
     return jnp.asarray(False)
 
 
+def jax_can_hold(x: np.ndarray) -> bool:
+    """Whether JAX can hold the host array ``x`` unchanged: False for integers beyond the
+    range of the dtype JAX uses (32 bits without x64, where ``2**32 + 1`` would become 1)."""
+    if not np.issubdtype(x.dtype, np.integer) or not x.size:
+        return True
+    info = np.iinfo(canonical_dtype(x.dtype))
+    return bool(x.min() >= info.min and x.max() <= info.max)
+
+
 def _as_array(x: Any) -> jax.Array | None:
     """``x`` as a JAX array, or None when it is not array-like (a str, a dict, ...) or holds
-    integers that the dtype JAX uses cannot hold (beyond 32 bits without x64: converted,
-    ``2**32 + 1`` would become ``1``)."""
+    integers that the dtype JAX uses cannot hold (see :func:`jax_can_hold`)."""
     if isinstance(x, (str, bytes, Mapping)) or x is None:
         return None
     if not isinstance(x, jax.Array):
@@ -103,10 +111,8 @@ def _as_array(x: Any) -> jax.Array | None:
             x = np.asarray(x)
         except (TypeError, ValueError, OverflowError):
             return None
-        if np.issubdtype(x.dtype, np.integer) and x.size:
-            info = np.iinfo(canonical_dtype(x.dtype))
-            if x.min() < info.min or x.max() > info.max:
-                return None
+        if not jax_can_hold(x):
+            return None
     try:
         return jnp.asarray(x)
     except (TypeError, ValueError, OverflowError):

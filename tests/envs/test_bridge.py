@@ -470,6 +470,21 @@ def test_a_float_action_for_a_discrete_space_is_refused():
         benv.step(None, state, jnp.float32(0.9))
 
 
+@pytest.mark.parametrize(
+    "action", [np.int64(2**32 + 1), np.uint64(2**32 + 1), 2**32 + 1], ids=repr
+)
+def test_a_64_bit_action_that_wraps_in_32_bits_is_refused(action):
+    # without x64 the NumPy int64 2**32 + 1 became the int32 1, and CartPole was pushed right
+    benv = GymnasiumToJax(gymnasium.make("CartPole-v1"), seed=0)
+    _, state = benv.reset(jax.random.key(0))
+    with pytest.raises(ValueError, match="range"):
+        benv.step(None, state, action)
+    oracle = gymnasium.make("CartPole-v1")
+    oracle.reset(seed=0)
+    obs, *_ = benv.step(None, state, 0)  # nothing was stepped
+    np.testing.assert_array_equal(obs, oracle.step(0)[0])
+
+
 def test_an_out_of_range_action_raises_the_bridge_error_and_steps_nothing():
     benv = GymnasiumToJax(gymnasium.make("CartPole-v1"), seed=0)
     oracle = gymnasium.make("CartPole-v1")
