@@ -38,6 +38,7 @@ _COUNTER_MOD = 2**32
 # stride), so that a state of one bridge is refused by another
 _COUNTER_STRIDE = 0x9E3779B9
 _instances = itertools.count()
+_FINAL_OBSERVATION = "info['final_observation']"
 
 
 @pytree_dataclass
@@ -180,13 +181,19 @@ class GymnasiumToJax:
     (``terminated or truncated``): the returned ``obs`` is then the first observation of
     the next episode, and ``info["final_obs"]`` is the last observation of the finished
     one. ``step_env`` is the same step without autoreset (as in gymnax): after the end of
-    an episode the next call must be ``reset``.
+    an episode the next call must be ``reset``. An env that resets itself in the step that
+    ends an episode and reports the last observation in ``info["final_observation"]``
+    (gymnax's ``GymnaxToGymWrapper``) is not reset a second time: that observation becomes
+    ``info["final_obs"]`` (and ``obs`` of ``step_env``).
 
     **Vector envs.** :class:`gymnasium.vector.SyncVectorEnv` and
     :class:`~gymnasium.vector.AsyncVectorEnv` reset their sub-envs themselves, following
     their own ``autoreset_mode`` (gymnasium's default is next-step: the step after the end
     returns the reset observation with zero reward); the bridge adds nothing, and
-    observations, rewards and flags carry a leading ``num_envs`` axis. A vector env with
+    observations, rewards and flags carry a leading ``num_envs`` axis. Same-step vector envs
+    report the last observations in the info (gymnasium's ``final_obs`` with its mask, or
+    gymnax's ``GymnaxToVectorGymWrapper``'s batched ``final_observation``), which the bridge
+    returns as ``info["final_obs"]``. A vector env with
     ``autoreset_mode=AutoresetMode.DISABLED`` does not reset its sub-envs, so the bridge
     treats it like a single env: ``step`` resets the sub-envs whose episode ended
     (``env.reset(options={"reset_mask": done})``, same step, the last observations in
@@ -196,7 +203,7 @@ class GymnasiumToJax:
     The returned ``info`` contains exactly:
 
     - ``"final_obs"``: the observation reached by the action, before any autoreset (equal
-      to ``obs`` unless the bridge or a same-step vector env reset the env);
+      to ``obs`` unless the bridge or an env that resets itself in the same step did);
     - every key declared in ``info_spec``, cast to the declared dtype (zeros when the env
       did not report the key on this step).
 
@@ -588,11 +595,15 @@ class GymnasiumToJax:
         leaves = final
         if self.num_envs is None:
             if terminated or truncated:
-                if autoreset:
+                reset_itself = "final_observation" in info
+                if reset_itself:  # obs is already the first one of the next episode
+                    final = self._obs_leaves(info["final_observation"], _FINAL_OBSERVATION)
+                if not autoreset:
+                    leaves = final
+                    self._must_reset = "the episode ended in step_env"
+                elif not reset_itself:
                     obs, _ = self.env.reset()
                     leaves = self._obs_leaves(obs, "the observation of reset")
-                else:
-                    self._must_reset = "the episode ended in step_env"
         elif self._reset_sub_envs:
             done = np.logical_or(terminated, truncated)
             if np.any(done):
@@ -603,6 +614,8 @@ class GymnasiumToJax:
                     self._must_reset = "a sub-env's episode ended in step_env"
         elif "final_obs" in info and "_final_obs" in info:
             final = self._final_obs_of_vector(final, info)
+        elif "final_observation" in info:  # every sub-env's last observation, batched
+            final = self._obs_leaves(info["final_observation"], _FINAL_OBSERVATION)
         extra = self._info_leaves(info) if self._info_spec else []
         # the packer casts reward and flags while writing them into the buffer
         return self._step_out.pack_np([*leaves, reward, terminated, truncated, *final, *extra])

@@ -147,3 +147,40 @@ def test_wrapped_gymnax_envs_step_through_their_wrappers():
             break
     assert terminated and not truncated and bool(info["returned_episode"])
     assert abs(obs[2]) > params.theta_threshold_radians  # the terminal obs, not a reset one
+
+
+def test_gymnax_gymnasium_wrappers_that_reset_themselves_keep_the_last_observation():
+    # gymnax's gymnasium wrappers reset an ended episode in the same step and report the
+    # last observation in info["final_observation"]: the bridge gave the reset observation
+    # as final_obs, and reset the single env a second time
+    from gymnax.wrappers.gym import GymnaxToGymWrapper, GymnaxToVectorGymWrapper
+
+    genv, params = gymnax.make("CartPole-v1")
+    fell = params.theta_threshold_radians
+
+    benv = GymnasiumToJax(GymnaxToVectorGymWrapper(genv, num_envs=3, seed=0), seed=0)
+    _, state = benv.reset(jax.random.key(0))
+    for _ in range(100):
+        obs, state, _, terminated, _, info = benv.step(None, state, jnp.ones(3, jnp.int32))
+        if bool(terminated.any()):
+            break
+    ended = np.asarray(terminated)
+    assert ended.any()
+    assert np.all(np.abs(np.asarray(info["final_obs"])[ended, 2]) > fell)
+    assert np.all(np.abs(np.asarray(obs)[ended, 2]) <= 0.05)  # reset observations
+    np.testing.assert_array_equal(np.asarray(info["final_obs"])[~ended], np.asarray(obs)[~ended])
+
+    oracle = GymnaxToGymWrapper(genv, seed=0)
+    oracle.reset(seed=0)
+    benv = GymnasiumToJax(GymnaxToGymWrapper(genv, seed=0), seed=0)
+    _, state = benv.reset(jax.random.key(0))
+    ends = 0
+    for _ in range(40):
+        obs, state, _, terminated, _, info = benv.step(None, state, jnp.int32(1))
+        o_obs, _, o_terminated, _, o_info = oracle.step(1)
+        np.testing.assert_array_equal(obs, o_obs)  # one reset per episode, not two
+        if o_terminated:
+            ends += 1
+            assert bool(terminated) and abs(float(info["final_obs"][2])) > fell
+            np.testing.assert_array_equal(info["final_obs"], o_info["final_observation"])
+    assert ends >= 2
