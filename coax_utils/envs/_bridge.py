@@ -668,7 +668,8 @@ class JaxToGymnasium(gymnasium.Env):
     params : pytree, optional
         The env parameters (``env.default_params`` by default).
     seed : int, optional
-        The seed used by the first ``reset`` when it is called without one.
+        The seed used by the first ``reset`` when it is called without one (even when
+        ``np_random`` was read before it).
     render_mode : {None, "rgb_array"}, optional
         With ``"rgb_array"``, :meth:`render` returns ``env.render(state, params)`` as a uint8
         array, so the JAX env must have such a ``render`` method, returning uint8 frames or
@@ -700,6 +701,9 @@ class JaxToGymnasium(gymnasium.Env):
         self.params = params
         self.render_mode = render_mode
         self._seed = seed
+        # the constructor seed waits for the first reset: gymnasium seeds np_random at
+        # random as soon as np_random or np_random_seed is read, so that cannot tell
+        self._seed_pending = seed is not None
         self.observation_space = to_gymnasium_space(env.observation_space(params))
         self.action_space = to_gymnasium_space(env.action_space(params))
         # actions are cast to fixed JAX dtypes, so that the jitted step never retraces
@@ -712,8 +716,9 @@ class JaxToGymnasium(gymnasium.Env):
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
         """Reset the JAX env with a key drawn from ``np_random``; returns ``(obs, info)``."""
-        if seed is None and self._np_random is None and self._seed is not None:
+        if seed is None and self._seed_pending:
             seed = self._seed
+        self._seed_pending = False
         super().reset(seed=seed)
         key = jax.random.key(int(self.np_random.integers(0, np.iinfo(np.int32).max)))
         self._key, sub = jax.random.split(key)

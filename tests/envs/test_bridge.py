@@ -3,6 +3,7 @@
 import warnings
 
 import gymnasium
+import gymnax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -364,6 +365,22 @@ def test_jax_to_gymnasium_refuses_frames_it_cannot_give_as_uint8():
     frame = JaxToGymnasium(LineEnv(), seed=0, render_mode="rgb_array")
     frame.reset()
     assert frame.render().max() == 255  # uint8 frames come through as they are
+
+
+def test_the_constructor_seed_survives_a_look_at_np_random():
+    # reading np_random or np_random_seed (gymnasium's public properties) before the first
+    # reset made gymnasium seed the env at random, and the constructor seed was then ignored
+    def make():
+        return JaxToGymnasium(*gymnax.make("CartPole-v1"), seed=5)
+
+    expected = make().reset()[0]
+    env = make()
+    assert env.np_random_seed != 5  # gymnasium's random seed, until the first reset
+    np.testing.assert_array_equal(env.reset()[0], expected)
+    assert env.np_random_seed == 5
+    vec = gymnasium.vector.SyncVectorEnv([make])
+    assert len(vec.np_random) == 1  # asks every sub-env
+    np.testing.assert_array_equal(vec.reset()[0][0], expected)
 
 
 class DriftEnvWithoutRender(LineEnv):
