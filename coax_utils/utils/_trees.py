@@ -483,9 +483,9 @@ def get_magnitude_quantiles(pytree: Any, key_prefix: str = "") -> dict[str, jax.
     flat = tree_ravel(pytree)
     if flat.size == 0:
         raise ValueError("get_magnitude_quantiles needs a pytree with at least one element")
-    flat = jnp.abs(flat)
     if not jnp.issubdtype(flat.dtype, jnp.floating):
         flat = flat.astype(jnp.result_type(float))
+    flat = jnp.abs(flat)  # after the cast: abs of int8 -128 (int32 -2**31) is itself
     values = jnp.quantile(flat, jnp.array([0.0, 0.25, 0.5, 0.75, 1.0], dtype=flat.dtype))
     return {f"{key_prefix}{name}": values[i] for i, name in enumerate(_QUANTILE_NAMES)}
 

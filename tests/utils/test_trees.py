@@ -309,3 +309,17 @@ def test_get_grads_diagnostics(use_jit):
     assert set(per_leaf) == {"w", "b"}
     np.testing.assert_allclose(float(per_leaf["w"]["norm"]), 5.0, rtol=1e-6)
     np.testing.assert_allclose(float(per_leaf["b"]["max"]), 12.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_magnitudes_of_the_most_negative_int_are_not_negative(use_jit):
+    # abs of int8 -128 (int32 -2**31) wraps to itself in its own dtype
+    tree = {"a": np.array([-128, 1], np.int8), "b": jnp.array([-(2**31), 3], jnp.int32)}
+    f = jax.jit(utils.get_magnitude_quantiles) if use_jit else utils.get_magnitude_quantiles
+    out = f(tree)
+    expected = np.quantile(np.abs([-128.0, 1.0, -(2.0**31), 3.0]), [0, 0.25, 0.5, 0.75, 1])
+    names = ["min", "p25", "p50", "p75", "max"]
+    np.testing.assert_allclose([float(out[k]) for k in names], expected, rtol=1e-6)
+    d = utils.get_grads_diagnostics({"a": jnp.array([-128, 0], jnp.int8)}, keep_tree_structure=True)
+    assert float(d["a"]["max"]) == 128.0 and float(d["a"]["min"]) == 0.0
+
