@@ -492,7 +492,10 @@ def get_magnitude_quantiles(pytree: Any, key_prefix: str = "") -> dict[str, jax.
 
 def _grads_summary(arr: jax.Array, key_prefix: str) -> dict[str, jax.Array]:
     out = get_magnitude_quantiles(arr, key_prefix)
-    out[f"{key_prefix}norm"] = jnp.linalg.norm(jnp.ravel(arr).astype(out[f"{key_prefix}max"].dtype))
+    dtype = out[f"{key_prefix}max"].dtype
+    # summed in float32 at least: the squares of float16 grads overflow from a norm of 256 up
+    wide = jnp.promote_types(dtype, jnp.float32)
+    out[f"{key_prefix}norm"] = jnp.linalg.norm(jnp.ravel(arr).astype(wide)).astype(dtype)
     return out
 
 
@@ -503,7 +506,8 @@ def get_grads_diagnostics(
 
     As in :func:`get_magnitude_quantiles`, the leaves are flattened and concatenated and the
     quantiles of the element-wise magnitudes computed on the flat array; the L2 norm of that
-    array is added under ``'norm'``. Jittable.
+    array is added under ``'norm'`` (summed in float32 at least, so half-float gradients do
+    not overflow, and returned in the dtype of the quantiles). Jittable.
 
     Parameters
     ----------

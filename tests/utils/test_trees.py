@@ -323,3 +323,12 @@ def test_magnitudes_of_the_most_negative_int_are_not_negative(use_jit):
     d = utils.get_grads_diagnostics({"a": jnp.array([-128, 0], jnp.int8)}, keep_tree_structure=True)
     assert float(d["a"]["max"]) == 128.0 and float(d["a"]["min"]) == 0.0
 
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_grads_norm_of_half_floats_does_not_overflow(dtype):
+    # 1000 entries of 10: the squares sum to 1e5, beyond float16's maximum 65504
+    grads = {"w": jnp.full((1000,), 10.0, dtype)}
+    per_leaf = utils.get_grads_diagnostics(grads, "", True)["w"]
+    for d in (utils.get_grads_diagnostics(grads), per_leaf):
+        np.testing.assert_allclose(float(d["norm"]), np.sqrt(1000) * 10, rtol=1e-2)
+        assert d["norm"].dtype == dtype
