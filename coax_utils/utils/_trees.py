@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coax_utils._checks import is_int
+
 __all__ = [
     "batch_to_single",
     "get_grads_diagnostics",
@@ -61,13 +63,17 @@ def batch_to_single(pytree: Any, index: int = 0) -> Any:
 
     Jittable; ``index`` may be a traced integer. When ``index`` is a Python int it is checked
     against the batch size of every leaf (JAX would silently clamp an out-of-range index).
+    ``index`` must be one integer: a bool, ``None``, a slice, a tuple or an index array is
+    refused (``True`` would index as a new axis and return the whole batch, the others a
+    sub-batch, not a single instance).
 
     Parameters
     ----------
     pytree : pytree with ndarray leaves
         A pytree representing a batch (every leaf has a leading batch axis).
     index : int, optional
-        Which instance to extract. Default: 0.
+        Which instance to extract: a Python or NumPy int or a 0-d integer array (traced ones
+        included). Default: 0.
 
     Returns
     -------
@@ -76,6 +82,8 @@ def batch_to_single(pytree: Any, index: int = 0) -> Any:
 
     Raises
     ------
+    TypeError
+        If ``index`` is not one integer (see above).
     ValueError
         If a leaf is 0-d (has no batch axis).
     IndexError
@@ -88,6 +96,9 @@ def batch_to_single(pytree: Any, index: int = 0) -> Any:
     >>> batch_to_single(batch, 1)
     {'r': Array(1., dtype=float32), 's': Array([2, 3], dtype=int32)}
     """
+    int_array = np.ndim(index) == 0 and jnp.issubdtype(getattr(index, "dtype", bool), jnp.integer)
+    if not (is_int(index) or int_array):
+        raise TypeError(f"index must be one int or a 0-d integer array, got {index!r}")
 
     def take(path, leaf):
         shape = np.shape(leaf)

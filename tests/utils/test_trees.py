@@ -126,6 +126,28 @@ def test_pytree_helper_errors():
         utils.batch_to_single({"a": jnp.zeros(())})
 
 
+@pytest.mark.parametrize(
+    "index", [True, np.True_, jnp.array(True), None, slice(0, 2), (0, 1), np.array([0, 1]), 1.0]
+)
+def test_batch_to_single_refuses_indices_that_are_not_one_int(index):
+    # True indexed as a new axis (a batch of the whole batch), a slice or an array kept a batch
+    batch = {"a": np.arange(6).reshape(3, 2), "b": jnp.arange(3.0)}
+    with pytest.raises(TypeError, match="index"):
+        utils.batch_to_single(batch, index)
+    with pytest.raises(TypeError, match="index"):
+        jax.jit(utils.batch_to_single)(batch, jnp.asarray(index) if index is True else index)
+
+
+def test_batch_to_single_takes_int_like_indices_eagerly_and_traced():
+    batch = {"a": np.arange(6).reshape(3, 2), "b": jnp.arange(3.0)}
+    for index in (np.int64(-1), jnp.array(2), np.array(2, np.uint8)):
+        out = utils.batch_to_single(batch, index)
+        np.testing.assert_array_equal(out["a"], [4, 5])
+        assert float(out["b"]) == 2.0
+    out = jax.jit(utils.batch_to_single)(batch, 2)
+    np.testing.assert_array_equal(out["a"], [4, 5])
+
+
 # -- unvectorize ------------------------------------------------------------------------
 
 
