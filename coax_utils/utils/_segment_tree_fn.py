@@ -147,7 +147,9 @@ def sum_tree_set(
         instead a NaN, infinite or negative value is ignored like an out-of-range index
         (nothing is written for it), and a finite value above
         :attr:`SumTreeState.max_value` is clipped to that bound, so the total and every
-        partial sum stay finite.
+        partial sum stay finite. Values are checked in their own dtype (NumPy values and
+        Python numbers in float64), so a finite value that only the tree's dtype cannot
+        hold (``1e39`` into a float32 tree) is clipped too.
     strategy : {"auto", "sequential", "vectorized"}, optional
         How the writes run (static; both strategies give identical trees):
 
@@ -195,8 +197,17 @@ def sum_tree_set(
     """
     strategy = check_choice(strategy, "strategy", SUM_TREE_STRATEGIES)
     indices, valid = checked_indices(indices, state.capacity)
-    values = jnp.broadcast_to(jnp.asarray(values, state.nodes.dtype).reshape(-1), indices.shape)
-    valid = valid & jnp.isfinite(values) & (values >= 0)
+    # checked in their own dtype (NumPy values in float64): a finite value that overflows
+    # only in the tree's dtype (float64 1e39 into float32) is clipped below, not ignored
+    values = as_host_or_jax(values)
+    xp = np if isinstance(values, np.ndarray) and values.dtype.kind in "biuf" else jnp
+    if xp is np:
+        values = values.astype(np.float64)
+    values = xp.broadcast_to(values.reshape(-1), indices.shape)
+    valid = valid & xp.isfinite(values) & (values >= 0)
+    # clipped before the cast (no overflow in NumPy's cast; negative values are ignored
+    # anyway) and after it (JAX's cast to a narrower float gives inf)
+    values = jnp.asarray(xp.clip(values, 0, state.max_value), state.nodes.dtype)
     values = jnp.minimum(values, state.max_value)
     args = (state, indices, values, valid)
     if strategy == "sequential":

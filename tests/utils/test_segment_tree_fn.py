@@ -450,3 +450,21 @@ def test_sum_tree_reduce_takes_lists_of_traced_bounds_under_jit():
     state = sum_tree_set(sum_tree_init(4), jnp.arange(4), jnp.arange(1.0, 5.0))
     reduce = jax.jit(lambda a: sum_tree_reduce(state, [a, a + 1], [a + 2, a + 4]))
     np.testing.assert_array_equal(reduce(jnp.int32(0)), [3.0, 9.0])
+
+
+@pytest.mark.parametrize(
+    "values",
+    [np.array([1e39, 1e300]), [1e39, 1e300], np.array([70000.0, 1e5], np.float32)],
+    ids=["float64", "list", "float32-into-float16"],
+)
+def test_values_beyond_the_tree_dtype_are_clipped_not_dropped(values):
+    # finite values that overflow only when cast to the tree's dtype are clipped like any
+    # other value above max_value (they were cast to inf first and then ignored)
+    dtype = jnp.float16 if np.asarray(values).dtype == np.float32 else jnp.float32
+    state = sum_tree_set(sum_tree_init(4, dtype), jnp.arange(4), jnp.ones(4, dtype))
+    out = sum_tree_set(state, jnp.array([0, 1]), values)
+    assert sum_tree_values(out).tolist() == [state.max_value, state.max_value, 1.0, 1.0]
+    assert np.isfinite(float(sum_tree_total(out)))
+    # infinities, NaN and negative values are still ignored, in any dtype
+    out = sum_tree_set(state, jnp.array([0, 1, 2]), np.array([np.inf, np.nan, -1e300]))
+    assert sum_tree_values(out).tolist() == [1.0] * 4
