@@ -532,7 +532,8 @@ class SumTree(SegmentTree):
         Number of values to accommodate, ``>= 1``.
     random_seed : int, optional
         Seed of the random number generator used by :meth:`sample` (settable later through
-        the :attr:`random_seed` attribute).
+        the :attr:`random_seed` attribute). A bool raises ``TypeError`` (NumPy would take
+        ``True`` as seed 1).
 
     Examples
     --------
@@ -575,6 +576,8 @@ class SumTree(SegmentTree):
 
     @random_seed.setter
     def random_seed(self, new_random_seed: int | None) -> None:
+        if isinstance(new_random_seed, (bool, np.bool_)):  # a flag passed by mistake
+            raise TypeError(f"random_seed must be an int or None, got {new_random_seed!r}")
         self._rng = np.random.default_rng(new_random_seed)
         self._random_seed = new_random_seed
 

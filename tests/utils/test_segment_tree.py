@@ -318,6 +318,21 @@ def test_seeded_sampling_is_reproducible():
     np.testing.assert_array_equal(a.sample(20), first)
 
 
+@pytest.mark.parametrize("seed", [True, False, np.True_])
+def test_a_bool_seed_is_refused_and_changes_nothing(seed):
+    # True was taken as seed 1 (False as 0): a flag passed by mistake seeded the stream
+    with pytest.raises(TypeError, match="random_seed"):
+        SumTree(8, random_seed=seed)
+    tree = SumTree(8, random_seed=5)
+    tree.set_values(..., 1.0)
+    expected = SumTree(8, random_seed=5)
+    expected.set_values(..., 1.0)
+    with pytest.raises(TypeError, match="random_seed"):
+        tree.random_seed = seed
+    assert tree.random_seed == 5
+    np.testing.assert_array_equal(tree.sample(50), expected.sample(50))
+
+
 def test_kernel_and_numpy_reducers_agree():
     # np.add runs the numba kernels, a Python-level sum the NumPy code: same trees, bit for bit
     rng = np.random.default_rng(11)
