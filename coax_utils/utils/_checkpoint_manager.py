@@ -109,10 +109,14 @@ def _fsync_folder(path: str) -> None:
 
 
 def _unlink(path: str) -> None:
+    """Remove the file or link ``path``; a missing one, or a folder of that name, stays."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError:
+        if os.path.islink(path) or not os.path.isdir(path):
+            raise
 
 
 def _lock_folder(path: str) -> int | None:
@@ -248,7 +252,7 @@ class CheckpointManager:
     ----------
     directory : str or os.PathLike
         The folder of the checkpoints; created if missing. Files in it that do not follow
-        the manager's naming are left alone.
+        the manager's naming, and folders in it whatever their names, are left alone.
     max_to_keep : int or None, optional
         How many of the newest checkpoints to keep (``None``: all).
     keep_every_n_steps : int or None, optional
@@ -352,6 +356,8 @@ class CheckpointManager:
         }
         scores: dict[int, float | None] = {step: None for step in steps}
         for m in filter(None, map(_METRICS.fullmatch, names)):
+            if not os.path.isfile(self._path(m.group(0))):  # e.g. a folder: not the manager's
+                continue
             step = int(m.group(1))
             if step not in steps:  # a save was killed between the metrics and the checkpoint
                 _unlink(self._path(m.group(0)))

@@ -667,3 +667,26 @@ def test_restore_skips_a_newest_checkpoint_removed_from_the_folder(tmp_path):
         assert not (tmp_path / metrics_file(2)).exists()
         m.save(2, {"a": 22})
         assert m.restore() == {"a": 22}
+
+
+def test_folders_with_metrics_names_are_foreign(tmp_path):
+    # a folder named like the metrics file of a complete step (5) or of no step (7) made
+    # the folder impossible to open (IsADirectoryError from load or unlink)
+    with utils.CheckpointManager(tmp_path, max_to_keep=1, background=False) as manager:
+        manager.save(5, {"w": np.arange(3)})
+    (tmp_path / metrics_file(5)).mkdir()
+    (tmp_path / metrics_file(7)).mkdir()
+    with utils.CheckpointManager(tmp_path, max_to_keep=1, best_fn=lambda m: m["r"]) as manager:
+        assert manager.all_steps() == [5] and manager.best_step() is None
+        manager.save(6, {"w": np.arange(4)})
+        manager.wait()  # retention removed step 5 and left the folder of its name alone
+        assert manager.all_steps() == [6]
+        with pytest.raises(OSError):  # the metrics of step 7 cannot take a folder's name
+            manager.save(7, {"w": np.arange(5)}, {"r": 1.0})
+            manager.wait()
+        assert manager.all_steps() == [6]
+        np.testing.assert_array_equal(manager.restore()["w"], np.arange(4))
+    assert (tmp_path / metrics_file(5)).is_dir() and (tmp_path / metrics_file(7)).is_dir()
+    assert not (tmp_path / ckpt(5)).exists() and not (tmp_path / ckpt(7)).exists()
+    with utils.CheckpointManager(tmp_path) as manager:
+        assert manager.all_steps() == [6]
