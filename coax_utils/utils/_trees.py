@@ -399,7 +399,9 @@ def sync_shared_params(
     Returns
     -------
     params : tuple of dict
-        New param dicts (plain dicts, same order) with synchronized shared modules.
+        New param dicts (plain dicts, same order) with synchronized shared modules. Every
+        param keeps the dtype it had in its own dict (e.g. a bfloat16 actor and a float32
+        critic): the average is computed in the promoted dtype and cast back per dict.
 
     Raises
     ------
@@ -443,17 +445,20 @@ def sync_shared_params(
     rel = [w / total for w in weights]
     shared = [k for k in params[0] if all(k in p for p in params[1:])]
 
-    averaged = {}
+    averaged = {}  # module name -> (treedef, averaged leaves in the promoted dtype)
     for k in shared:
         modules = [p[k] for p in params]
         treedef, columns = _leaf_columns(modules, f"shared module {k!r}", "params")
-        new_leaves = []
-        for column in columns:
-            avg = sum(w * jnp.asarray(x) for w, x in zip(rel, column))
-            new_leaves.append(avg.astype(jnp.result_type(column[0])))
-        averaged[k] = jax.tree_util.tree_unflatten(treedef, new_leaves)
+        averaged[k] = treedef, [sum(w * jnp.asarray(x) for w, x in zip(rel, c)) for c in columns]
 
-    return tuple({k: averaged.get(k, v) for k, v in p.items()} for p in params)
+    def synced(k: str, module: Any) -> Any:
+        treedef, leaves = averaged[k]
+        own = jax.tree_util.tree_leaves(module)  # each dict keeps the dtypes of its params
+        return jax.tree_util.tree_unflatten(
+            treedef, [a.astype(jnp.result_type(x)) for a, x in zip(leaves, own)]
+        )
+
+    return tuple({k: synced(k, v) if k in averaged else v for k, v in p.items()} for p in params)
 
 
 _QUANTILE_NAMES = ("min", "p25", "p50", "p75", "max")

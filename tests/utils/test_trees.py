@@ -269,6 +269,22 @@ def test_sync_shared_params_weighted_average(haiku_params, use_jit):
     assert actor.apply(qa, x).shape == (2, 2) and critic.apply(qc, x).shape == (2, 1)
 
 
+def test_sync_shared_params_keeps_the_dtype_of_every_dict(haiku_params):
+    # a bfloat16 actor and a float32 critic: the critic's torso came back in bfloat16 (the
+    # dtype of the first dict), silently changing its precision and its params' dtypes
+    (_, critic), (pa, pc, _) = haiku_params
+    pa16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), pa)
+    qa, qc = utils.sync_shared_params(pa16, pc)
+    for name in ("w", "b"):
+        assert qa["torso"][name].dtype == jnp.bfloat16 and qc["torso"][name].dtype == jnp.float32
+        expected = (np.asarray(pa16["torso"][name], np.float32) + pc["torso"][name]) / 2
+        np.testing.assert_allclose(qc["torso"][name], expected, rtol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(qa["torso"][name], np.float32), expected, rtol=1e-2, atol=1e-3
+        )
+    assert critic.apply(qc, jnp.ones((2, 5))).dtype == jnp.float32
+
+
 def test_sync_shared_params_only_modules_present_in_all(haiku_params):
     _, (pa, pc, po) = haiku_params
     qa, qc, qo = utils.sync_shared_params(pa, pc, po)
