@@ -12,6 +12,7 @@ updates were made.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -127,6 +128,14 @@ def _last_write_mask(indices: jax.Array) -> jax.Array:
     return jnp.zeros((k,), bool).at[order].set(last_in_run)
 
 
+def _pairs_up(value_shape: tuple, index_shape: tuple) -> bool:
+    """Whether values of this shape pair up with indices of that one: one value for all, or
+    one per index in the same layout (axes of size 1 aside, e.g. ``(k, 1)`` for ``(k,)``)."""
+    if math.prod(value_shape) == 1:
+        return True
+    return [d for d in value_shape if d != 1] == [d for d in index_shape if d != 1]
+
+
 def sum_tree_set(
     state: SumTreeState, indices: jax.Array, values: jax.Array, strategy: str = "auto"
 ) -> SumTreeState:
@@ -143,7 +152,11 @@ def sum_tree_set(
         for them, whatever their integer dtype. A non-integer dtype (e.g. float) raises a
         TypeError while tracing.
     values : float Array, shape ``(k,)`` or scalar
-        New non-negative values. This function is traced, so it cannot raise on values;
+        New non-negative values: one for all indices, or one per index in the layout of
+        ``indices`` (axes of size 1 aside, so ``(k, 1)`` works for ``(k,)``). Any other
+        shape raises ValueError (shapes are static, so under jit too), also where the sizes
+        agree: ``(3, 2)`` values for ``(2, 3)`` indices used to be paired after flattening
+        both. This function is traced, so it cannot raise on the numbers themselves;
         instead a NaN, infinite or negative value is ignored like an out-of-range index
         (nothing is written for it), and a finite value above
         :attr:`SumTreeState.max_value` is clipped to that bound, so the total and every
@@ -175,7 +188,8 @@ def sum_tree_set(
     TypeError
         If ``indices`` is not an integer array or ``strategy`` is not a str.
     ValueError
-        If ``strategy`` is not one of :data:`SUM_TREE_STRATEGIES`.
+        If ``strategy`` is not one of :data:`SUM_TREE_STRATEGIES`, or the shape of
+        ``values`` does not pair up with that of ``indices``.
 
     Notes
     -----
@@ -196,10 +210,16 @@ def sum_tree_set(
     True
     """
     strategy = check_choice(strategy, "strategy", SUM_TREE_STRATEGIES)
+    values = as_host_or_jax(values)
+    index_shape = np.shape(indices)
+    if not _pairs_up(values.shape, index_shape):
+        raise ValueError(
+            f"values must be a scalar or have the shape of indices {index_shape} (up to axes "
+            f"of size 1), got shape {values.shape}"
+        )
     indices, valid = checked_indices(indices, state.capacity)
     # checked in their own dtype (NumPy values in float64): a finite value that overflows
     # only in the tree's dtype (float64 1e39 into float32) is clipped below, not ignored
-    values = as_host_or_jax(values)
     xp = np if isinstance(values, np.ndarray) and values.dtype.kind in "biuf" else jnp
     if xp is np:
         values = values.astype(np.float64)

@@ -468,3 +468,24 @@ def test_values_beyond_the_tree_dtype_are_clipped_not_dropped(values):
     # infinities, NaN and negative values are still ignored, in any dtype
     out = sum_tree_set(state, jnp.array([0, 1, 2]), np.array([np.inf, np.nan, -1e300]))
     assert sum_tree_values(out).tolist() == [1.0] * 4
+
+
+def test_values_whose_shape_does_not_match_the_indices_are_refused():
+    # indices (2, 3) with values (3, 2) were both flattened and paired in C order, so the
+    # values went to the wrong slots silently; (2, 3) values for 6 indices likewise
+    state = sum_tree_init(8)
+    for indices, values in [
+        (jnp.arange(6).reshape(2, 3), jnp.arange(6.0).reshape(3, 2)),
+        (jnp.arange(6), jnp.ones((2, 3))),
+        (jnp.arange(3), jnp.ones(2)),
+    ]:
+        with pytest.raises(ValueError, match="values"):
+            sum_tree_set(state, indices, values)
+        with pytest.raises(ValueError, match="values"):
+            jax.jit(sum_tree_set)(state, indices, values)
+    # a scalar, a single value, equal shapes, and shapes equal up to axes of size 1 work
+    for values in (2.0, jnp.full((1,), 2.0), jnp.full((3,), 2.0), jnp.full((3, 1), 2.0)):
+        out = sum_tree_set(state, jnp.array([1, 4, 7]), values)
+        assert sum_tree_values(out).tolist() == [0, 2, 0, 0, 2, 0, 0, 2]
+    out = sum_tree_set(state, jnp.array([[1, 4], [5, 0]]), jnp.array([[1.0, 2.0], [3.0, 4.0]]))
+    assert sum_tree_values(out).tolist() == [4, 1, 0, 0, 2, 3, 0, 0]
