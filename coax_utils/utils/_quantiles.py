@@ -65,6 +65,8 @@ def quantiles_uniform(rng: jax.Array, batch_size: int, num_quantiles: int = 32) 
         \tau_i = \sum_{j \le i} \frac{u_j}{\sum_k u_k}, \qquad i = 0, \dots, N-1
 
     so every row is increasing, lies in :math:`(0, 1]` and ends at exactly 1 (as in coax).
+    With thousands of fractions an increment can be below the float32 spacing near 1, and
+    neighbouring fractions can then be equal; a row never decreases.
     Jittable and vmappable over ``rng`` (sizes static). As quantile levels of a
     quantile-regression loss, :math:`\tau = 1` targets the maximum of the distribution,
     which the loss can only push up; the midpoints :math:`(\tau_{i-1} + \tau_i) / 2` (with
@@ -97,7 +99,12 @@ def quantiles_uniform(rng: jax.Array, batch_size: int, num_quantiles: int = 32) 
     u = jax.random.uniform(
         rng, (batch_size, num_quantiles), dtype=jnp.float32, minval=1e-6, maxval=1.0
     )
-    tau = jnp.cumsum(u / jnp.sum(u, axis=-1, keepdims=True), axis=-1)
+    # the running sums divided by the last one, kept from decreasing (where a parallel
+    # cumsum rounds unevenly) and from exceeding 1 (summing normalized increments rounded
+    # past 1 early in rows of 10**5 fractions); the last is set to 1 (XLA may divide by
+    # multiplying with a rounded reciprocal)
+    sums = jnp.cumsum(u, axis=-1)
+    tau = jnp.minimum(jax.lax.cummax(sums / sums[:, -1:], axis=1), 1.0)
     return tau.at[:, -1].set(1.0)
 
 

@@ -39,6 +39,18 @@ def test_quantiles_uniform_properties(use_jit):
     np.testing.assert_array_equal(again, tau)
 
 
+@pytest.mark.parametrize("num_quantiles", [1000, 100_000])
+def test_quantiles_uniform_rows_never_decrease_for_many_quantiles(num_quantiles):
+    # cumsum of the normalized increments rounded past 1 before the end of a row, and the
+    # last entry, set to 1, then lay below the one before it (65 drops in 64 rows of 1e5)
+    tau = np.asarray(utils.quantiles_uniform(jax.random.PRNGKey(1), 64, num_quantiles))
+    assert (np.diff(tau, axis=-1) >= 0).all()
+    assert (tau > 0).all() and (tau <= 1).all()
+    np.testing.assert_array_equal(tau[:, -1], 1.0)
+    # the increments are still normalized uniforms
+    np.testing.assert_allclose(np.diff(tau, axis=-1, prepend=0).mean(), 1 / num_quantiles)
+
+
 def test_quantiles_uniform_vmap_over_keys():
     keys = jax.random.split(jax.random.PRNGKey(3), 5)
     tau = jax.vmap(partial(utils.quantiles_uniform, batch_size=2, num_quantiles=4))(keys)
