@@ -196,7 +196,9 @@ def sum_tree_set(
     Inside :func:`jax.jit` the indices' range is checked in the dtype the traced array has.
     ``jax.jit`` itself converts NumPy arguments first: without ``jax_enable_x64`` it turns
     an int64 array into int32 at the call boundary (``2**32 + 1`` becomes ``1``) before
-    this function sees it, so pass 64-bit indices to an eager call, or enable x64.
+    this function sees it, so pass 64-bit indices to an eager call, or enable x64. The
+    same goes for values: a float64 ``1e39`` passed through ``jax.jit`` arrives as float32
+    ``inf`` and is ignored, where an eager call clips it to ``max_value``.
 
     Examples
     --------
