@@ -499,7 +499,7 @@ def get_magnitude_quantiles(pytree: Any, key_prefix: str = "") -> dict[str, jax.
     flat = tree_ravel(pytree)
     if flat.size == 0:
         raise ValueError("get_magnitude_quantiles needs a pytree with at least one element")
-    if not jnp.issubdtype(flat.dtype, jnp.floating):
+    if not jnp.issubdtype(flat.dtype, jnp.inexact):  # complex magnitudes come from abs
         flat = flat.astype(jnp.result_type(float))
     flat = jnp.abs(flat)  # after the cast: abs of int8 -128 (int32 -2**31) is itself
     values = jnp.quantile(flat, jnp.array([0.0, 0.25, 0.5, 0.75, 1.0], dtype=flat.dtype))
@@ -511,7 +511,10 @@ def _grads_summary(arr: jax.Array, key_prefix: str) -> dict[str, jax.Array]:
     dtype = out[f"{key_prefix}max"].dtype
     # summed in float32 at least: the squares of float16 grads overflow from a norm of 256 up
     wide = jnp.promote_types(dtype, jnp.float32)
-    out[f"{key_prefix}norm"] = jnp.linalg.norm(jnp.ravel(arr).astype(wide)).astype(dtype)
+    flat = jnp.ravel(arr)
+    if jnp.issubdtype(flat.dtype, jnp.complexfloating):  # a cast to real drops the imag part
+        flat = jnp.abs(flat)
+    out[f"{key_prefix}norm"] = jnp.linalg.norm(flat.astype(wide)).astype(dtype)
     return out
 
 

@@ -360,6 +360,10 @@ def test_magnitudes_of_the_most_negative_int_are_not_negative(use_jit):
     np.testing.assert_allclose([float(out[k]) for k in names], expected, rtol=1e-6)
     d = utils.get_grads_diagnostics({"a": jnp.array([-128, 0], jnp.int8)}, keep_tree_structure=True)
     assert float(d["a"]["max"]) == 128.0 and float(d["a"]["min"]) == 0.0
+    # complex leaves: the magnitudes are their moduli
+    d = utils.get_grads_diagnostics({"a": jnp.array([3 + 4j, 1j])})
+    assert float(d["max"]) == 5.0 and float(d["min"]) == 1.0
+    np.testing.assert_allclose(float(d["norm"]), np.sqrt(26.0), rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
