@@ -192,3 +192,21 @@ def check_state_keys(state: Any, keys: tuple[str, ...], owner: str) -> dict[str,
             f"unexpected {extra}"
         )
     return state
+
+
+def check_pairs_up(values: Any, indices: Any, name: str) -> None:
+    """Refuse ``values`` whose shape does not pair up with that of ``indices`` (ValueError).
+
+    They pair up when there is one value for all indices, or one per index in the same
+    layout, axes of size 1 aside (``(k, 1)`` for ``(k,)``). Flattening both would pair
+    ``(3, 2)`` values with ``(2, 3)`` indices silently. Shapes are static: this works on
+    traced arrays too.
+    """
+    value_shape, index_shape = np.shape(values), np.shape(indices)
+    if int(np.prod(value_shape)) == 1:
+        return
+    if [d for d in value_shape if d != 1] != [d for d in index_shape if d != 1]:
+        raise ValueError(
+            f"{name} must be a scalar or have the shape of the indices {index_shape} (up to "
+            f"axes of size 1), got shape {value_shape}"
+        )

@@ -567,7 +567,7 @@ def make_prioritized_frame_stack_buffer(
     def update(
         state: PrioritizedFrameStackBufferState, indices: jax.Array, priorities: jax.Array
     ) -> PrioritizedFrameStackBufferState:
-        return compiled_update(state, host_indices(indices, capacity), priorities)
+        return compiled_update(state, *host_indices(indices, priorities, capacity))
 
     def update_traced(
         state: PrioritizedFrameStackBufferState, indices: jax.Array, priorities: jax.Array

@@ -21,7 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coax_utils._checks import check_choice, check_float, check_int, checked_indices
+from coax_utils._checks import (
+    check_choice,
+    check_float,
+    check_int,
+    check_pairs_up,
+    checked_indices,
+)
 from coax_utils._dataclass import pytree_dataclass
 from coax_utils._random import random_index, random_uniform
 from coax_utils.replay._sequence import SequenceSample
@@ -66,13 +72,19 @@ def compiled(fn: Callable, static_argnums: tuple[int, ...] = ()) -> Callable:
     return jax.jit(fn, static_argnums=static_argnums)
 
 
-def host_indices(indices: Any, capacity: int) -> Any:
-    """NumPy ``indices`` checked in their own dtype before they are traced (``jit`` would
-    narrow a 64-bit index such as ``2**32 + 1`` to int32, which wraps it onto a valid slot):
-    int32, -1 for those outside ``[0, capacity)``. JAX arrays are returned as they are."""
+def host_indices(indices: Any, priorities: Any, capacity: int) -> tuple[Any, Any]:
+    """The ``indices`` and ``priorities`` of an ``update``, checked before they are traced.
+
+    The priorities must pair up with the indices (:func:`check_pairs_up`); both are then
+    flattened. NumPy indices are checked in their own dtype (``jit`` would narrow a 64-bit
+    index such as ``2**32 + 1`` to int32, which wraps it onto a valid slot): int32, -1 for
+    those outside ``[0, capacity)``.
+    """
+    check_pairs_up(priorities, indices, "priorities")
+    priorities = jnp.reshape(jnp.asarray(priorities), (-1,))
     if isinstance(indices, (jax.Array, jax.core.Tracer)):
-        return indices
-    return checked_indices(indices, capacity)[0]
+        return jnp.reshape(indices, (-1,)), priorities
+    return checked_indices(indices, capacity)[0], priorities
 
 
 def check_beta(beta: Any) -> None:
@@ -498,7 +510,8 @@ def make_prioritized_buffer(
     (``jax.jit(buffer.update, donate_argnums=0)``), and ``add``, ``sample`` and ``update``
     come compiled, as for :func:`make_uniform_buffer`. A concrete ``beta`` and NumPy
     ``indices`` are checked before they are traced (an int64 index beyond int32 is ignored,
-    not wrapped onto another slot).
+    not wrapped onto another slot). ``update``'s priorities must be one value for all
+    indices or one per index in their layout (axes of size 1 aside), else ValueError.
 
     Parameters
     ----------
@@ -589,7 +602,7 @@ def make_prioritized_buffer(
     def update(
         state: PrioritizedBufferState, indices: jax.Array, priorities: jax.Array
     ) -> PrioritizedBufferState:
-        return compiled_update(state, host_indices(indices, capacity), priorities)
+        return compiled_update(state, *host_indices(indices, priorities, capacity))
 
     def update_traced(
         state: PrioritizedBufferState, indices: jax.Array, priorities: jax.Array

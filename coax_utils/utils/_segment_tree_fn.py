@@ -12,14 +12,19 @@ updates were made.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coax_utils._checks import check_choice, check_int, checked_indices, is_int
+from coax_utils._checks import (
+    check_choice,
+    check_int,
+    check_pairs_up,
+    checked_indices,
+    is_int,
+)
 from coax_utils._dataclass import pytree_dataclass, static_field
 from coax_utils._random import random_uniform
 from coax_utils.utils._arrays import as_host_or_jax
@@ -128,14 +133,6 @@ def _last_write_mask(indices: jax.Array) -> jax.Array:
     return jnp.zeros((k,), bool).at[order].set(last_in_run)
 
 
-def _pairs_up(value_shape: tuple, index_shape: tuple) -> bool:
-    """Whether values of this shape pair up with indices of that one: one value for all, or
-    one per index in the same layout (axes of size 1 aside, e.g. ``(k, 1)`` for ``(k,)``)."""
-    if math.prod(value_shape) == 1:
-        return True
-    return [d for d in value_shape if d != 1] == [d for d in index_shape if d != 1]
-
-
 def sum_tree_set(
     state: SumTreeState, indices: jax.Array, values: jax.Array, strategy: str = "auto"
 ) -> SumTreeState:
@@ -213,12 +210,7 @@ def sum_tree_set(
     """
     strategy = check_choice(strategy, "strategy", SUM_TREE_STRATEGIES)
     values = as_host_or_jax(values)
-    index_shape = np.shape(indices)
-    if not _pairs_up(values.shape, index_shape):
-        raise ValueError(
-            f"values must be a scalar or have the shape of indices {index_shape} (up to axes "
-            f"of size 1), got shape {values.shape}"
-        )
+    check_pairs_up(values, indices, "values")
     indices, valid = checked_indices(indices, state.capacity)
     # checked in their own dtype (NumPy values in float64): a finite value that overflows
     # only in the tree's dtype (float64 1e39 into float32) is clipped below, not ignored

@@ -433,3 +433,9 @@ def test_eager_calls_compile_once(prioritized_filled):
         lambda i: uniform.sample(ustate, jax.random.PRNGKey(i), 8),
     ]
     assert compiles_again(calls) == 0
+
+
+def test_update_refuses_priorities_that_do_not_pair_up_with_the_indices(prioritized_filled):
+    buf, state, _ = prioritized_filled
+    with pytest.raises(ValueError, match="priorities"):
+        buf.update(state, np.arange(6).reshape(2, 3), np.ones((3, 2)))

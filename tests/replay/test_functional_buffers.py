@@ -417,3 +417,25 @@ def test_eager_calls_compile_once():
         lambda i: prioritized.update(p, np.array([i, i + 1]), np.array([1.0, 2.0])),
     ]
     assert compiles_again(calls) == 0
+
+
+def test_update_refuses_priorities_that_do_not_pair_up_with_the_indices():
+    # both used to be flattened: (3, 2) priorities for (2, 3) indices went to the wrong slots
+    buffer, state = _filled(capacity=8, n=6)
+    indices = np.arange(6).reshape(2, 3)
+    with pytest.raises(ValueError, match="priorities"):
+        buffer.update(state, indices, np.ones((3, 2)))
+    with pytest.raises(ValueError, match="priorities"):
+        jax.jit(buffer.update)(state, jnp.asarray(indices), jnp.ones((3, 2)))
+    # the same layout, a column of one per index, or one for all are fine
+    p = np.arange(1.0, 7.0).reshape(2, 3)
+    same = buffer.update(state, indices, p)
+    flat = buffer.update(state, indices.reshape(-1), p.reshape(-1))
+    np.testing.assert_array_equal(same.tree.nodes, flat.tree.nodes)
+    column = buffer.update(state, indices.reshape(-1), p.reshape(-1, 1))
+    np.testing.assert_array_equal(column.tree.nodes, flat.tree.nodes)
+    one = buffer.update(state, indices, 2.0)
+    np.testing.assert_array_equal(
+        sum_tree_values(one.tree)[:6],
+        sum_tree_values(buffer.update(state, indices, 2.0 * np.ones((2, 3))).tree)[:6],
+    )

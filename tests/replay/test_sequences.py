@@ -119,9 +119,7 @@ def test_jittable_episode_end_marks_are_truth_values(make, mark):
     for lo in range(0, len(codes), 5):
         chunk = slice(lo, lo + 5)
         state = buffer.add(state, jnp.asarray(codes[chunk], jnp.int32), jnp.asarray(marks[chunk]))
-    out = jax.jit(buffer.sample_sequences, static_argnums=(2, 3))(
-        state, jax.random.key(0), 400, 5
-    )
+    out = jax.jit(buffer.sample_sequences, static_argnums=(2, 3))(state, jax.random.key(0), 400, 5)
     check_windows(out.items, out.mask, 5)
     assert not np.asarray(out.mask).all()
 
