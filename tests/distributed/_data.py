@@ -1,4 +1,7 @@
-"""Transition batches whose contents say who wrote them (writer id and sequence number)."""
+"""Transition batches whose contents say who wrote them (writer id and sequence number), and
+a way to kill an actor for good."""
+
+import time
 
 import numpy as np
 
@@ -25,3 +28,16 @@ def make_batch(writer: int, start: int, size: int) -> TransitionBatch:
 def keys(S) -> list[tuple[int, int]]:
     """The (writer, seq) pairs of a batch of states."""
     return [(int(w), int(s)) for w, s in np.asarray(S)]
+
+
+def kill_and_wait(ray, actor, probe) -> None:
+    """``ray.kill(actor)``, then wait until ``probe()`` (a call on the actor) says it is gone:
+    ``ray.kill`` returns before the actor is."""
+    ray.kill(actor)
+    tic = time.monotonic()
+    while True:
+        try:
+            ray.get(probe(), timeout=20)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() - tic < 15.0

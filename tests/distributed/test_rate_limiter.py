@@ -7,7 +7,7 @@ import pytest
 
 from coax_utils.distributed import RateLimiter, ShardedReplay
 from coax_utils.replay import SimpleReplayBuffer
-from tests.distributed._data import make_batch
+from tests.distributed._data import kill_and_wait, make_batch
 
 
 def _pending(ray, ref, seconds=0.5):
@@ -167,14 +167,8 @@ def test_a_killed_limiter_is_named_on_the_next_sample_and_add(ray_cluster):
     replay.add(make_batch(0, 0, 16))
     replay.add(make_batch(0, 16, 16))
     assert replay.sample(8, timeout=5).batch_size == 8  # the permission and the draws: one trip
-    ray.kill(limiter)
     tic = time.monotonic()
-    while True:  # ray.kill returns before the actor is gone: poll until it is
-        try:
-            ray.get(limiter.counts.remote(), timeout=20)
-        except ray.exceptions.RayActorError:
-            break
-        assert time.monotonic() - tic < 15.0
+    kill_and_wait(ray, limiter, limiter.counts.remote)
     with pytest.raises(ReplayShardError, match="the rate limiter died"):
         replay.sample(8, timeout=5)
     with PrefetchingSampler(replay, 8, timeout=5) as sampler:

@@ -18,7 +18,7 @@ from coax_utils.distributed import (
     ShardedReplay,
 )
 from coax_utils.replay import PrioritizedReplayBuffer, SimpleReplayBuffer, TransitionBatch
-from tests.distributed._data import keys, make_batch
+from tests.distributed._data import keys, kill_and_wait, make_batch
 
 ALPHA, BETA, EPS = 0.7, 0.5, 1e-4
 
@@ -189,14 +189,8 @@ def test_a_killed_shard_is_named_on_the_next_call(ray_cluster):
     _fill(replay, [np.ones(10), np.ones(10)])
     sampler = PrefetchingSampler(replay, 8, num_in_flight=2)
     batch = sampler.sample()
-    ray.kill(replay.shards[1])
     tic = time.monotonic()
-    while True:  # ray.kill returns before the actor is gone: poll until it is
-        try:
-            ray.get(replay.shards[1].size.remote(), timeout=20)
-        except ray.exceptions.RayActorError:
-            break
-        assert time.monotonic() - tic < 15.0
+    kill_and_wait(ray, replay.shards[1], replay.shards[1].size.remote)
     with pytest.raises(ReplayShardError, match="replay shard 1 of 2"):
         # at most num_in_flight batches were requested before the shard was gone
         for _ in range(3):
@@ -423,14 +417,7 @@ def test_a_damaged_or_mixed_checkpoint_is_refused_before_any_shard_changes(ray_c
 
     # a save that fails (a dead shard) leaves the earlier checkpoint in its folder intact
     saved.add(make_batch(0, 10, 5), np.ones(5), shard=0)
-    ray.kill(saved.shards[1])
-    tic = time.monotonic()
-    while True:  # ray.kill returns before the actor is gone: poll until it is
-        try:
-            ray.get(saved.shards[1].size.remote(), timeout=20)
-        except ray.exceptions.RayActorError:
-            break
-        assert time.monotonic() - tic < 15.0
+    kill_and_wait(ray, saved.shards[1], saved.shards[1].size.remote)
     with pytest.raises(ReplayShardError, match="replay shard 1 of 2"):
         saved.save(good)
     assert sorted(p.name for p in (tmp_path / "good").iterdir()) == _files(good) + [
