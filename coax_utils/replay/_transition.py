@@ -91,8 +91,9 @@ class TransitionBatch:
         """
         return self._check_rows()
 
-    def _check_rows(self) -> int:
-        """The batch size, after checking that every leaf has that leading axis."""
+    def _check_rows(self, leaves: list | None = None) -> int:
+        """The batch size, after checking that every leaf (``leaves``: those of ``self``,
+        if already flattened) has that leading axis."""
         shape = getattr(self.Rn, "shape", ())
         if len(shape) == 0:
             raise ValueError(
@@ -100,7 +101,9 @@ class TransitionBatch:
                 f"jax.vmap over the batch, each row has none)"
             )
         n = int(shape[0])
-        if all(getattr(x, "shape", ())[:1] == (n,) for x in jax.tree_util.tree_leaves(self)):
+        if leaves is None:
+            leaves = jax.tree_util.tree_leaves(self)
+        if all(getattr(x, "shape", ())[:1] == (n,) for x in leaves):
             return n
         for path, x in jax.tree_util.tree_leaves_with_path(self):  # name the first bad one
             if np.shape(x)[:1] != (n,):
@@ -314,8 +317,9 @@ class TransitionBatch:
                 raise TypeError(
                     f"concatenate takes TransitionBatch objects, got {type(b).__name__}"
                 )
-            b._check_rows()
         flat = [jax.tree_util.tree_flatten(b) for b in batches]
+        for b, (leaves, _) in zip(batches, flat):
+            b._check_rows(leaves)
         structures = {treedef for _, treedef in flat}
         if len(structures) != 1:
             k = next(k for k, (_, treedef) in enumerate(flat) if treedef != flat[0][1])
