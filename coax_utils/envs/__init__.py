@@ -19,6 +19,8 @@ from coax_utils.envs._spaces import (
 )
 from coax_utils.envs._step import step_without_autoreset
 
+from coax_utils.utils import register_checkpoint_type as _register
+
 __all__ = [
     "Box",
     "Dict",
@@ -35,3 +37,11 @@ __all__ = [
     "to_gymnasium_space",
     "to_jax_space",
 ]
+
+# This layer's checkpoint types, under the names files store (utils knows none of them).
+for _cls in (
+    GymnasiumParams,
+    GymnasiumState,
+):
+    _register(_cls, f"coax_utils.envs.{_cls.__name__}")
+del _cls, _register

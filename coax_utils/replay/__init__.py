@@ -28,6 +28,8 @@ from coax_utils.replay._tracing import MonteCarlo
 from coax_utils.replay._tracing import NStep
 from coax_utils.replay._transition import TransitionBatch
 
+from coax_utils.utils import register_checkpoint_type as _register
+
 __all__ = [
     "EpisodeDoneError",
     "FrameStackBuffer",
@@ -57,3 +59,26 @@ __all__ = [
     "make_prioritized_frame_stack_buffer",
     "make_uniform_buffer",
 ]
+
+# This layer's checkpoint types, under the names files store (utils knows none of them).
+for _cls in (
+    FrameStackBuffer,
+    FrameStackBufferState,
+    FrameStackReplayBuffer,
+    MonteCarlo,
+    NStep,
+    PrioritizedBuffer,
+    PrioritizedBufferState,
+    PrioritizedFrameStackBuffer,
+    PrioritizedFrameStackBufferState,
+    PrioritizedFrameStackReplayBuffer,
+    PrioritizedReplayBuffer,
+    PrioritizedSample,
+    SequenceSample,
+    SimpleReplayBuffer,
+    TransitionBatch,
+    UniformBuffer,
+    UniformBufferState,
+):
+    _register(_cls, f"coax_utils.replay.{_cls.__name__}")
+del _cls, _register

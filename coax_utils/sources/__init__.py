@@ -10,6 +10,8 @@ from coax_utils.sources._disk import DiskSourceState
 from coax_utils.sources._gymnax import GymnaxSource
 from coax_utils.sources._gymnax import GymnaxSourceState
 
+from coax_utils.utils import register_checkpoint_type as _register
+
 __all__ = [
     "ArraySource",
     "ArraySourceState",
@@ -21,3 +23,13 @@ __all__ = [
     "GymnaxSourceState",
     "Source",
 ]
+
+# This layer's checkpoint types, under the names files store (utils knows none of them).
+for _cls in (
+    ArraySourceState,
+    BatchedSourceState,
+    DiskSourceState,
+    GymnaxSourceState,
+):
+    _register(_cls, f"coax_utils.sources.{_cls.__name__}")
+del _cls, _register

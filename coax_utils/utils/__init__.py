@@ -70,13 +70,15 @@ from coax_utils.utils._segment_tree_fn import sum_tree_set
 from coax_utils.utils._segment_tree_fn import sum_tree_total
 from coax_utils.utils._segment_tree_fn import sum_tree_values
 # -- checkpoints ---------------------------------------------------------------------------
-from coax_utils.utils._checkpoint import dump
-from coax_utils.utils._checkpoint import dumps
-from coax_utils.utils._checkpoint import load
-from coax_utils.utils._checkpoint import loads
-from coax_utils.utils._checkpoint import UnsafeCheckpointError
-from coax_utils.utils._ckpt_tree import register_checkpoint_type
-from coax_utils.utils._checkpoint_manager import CheckpointManager
+from coax_utils.utils._checkpoint.io import dump
+from coax_utils.utils._checkpoint.io import dumps
+from coax_utils.utils._checkpoint.io import load
+from coax_utils.utils._checkpoint.io import loads
+from coax_utils.utils._checkpoint.errors import CheckpointDamagedError
+from coax_utils.utils._checkpoint.errors import CheckpointNotReadableError
+from coax_utils.utils._checkpoint.errors import UnsafeCheckpointError
+from coax_utils.utils._checkpoint.tree import register_checkpoint_type
+from coax_utils.utils._checkpoint.manager import CheckpointManager
 # -- environments and GIFs -----------------------------------------------------------------
 from coax_utils.utils._envs import check_preprocessors
 from coax_utils.utils._envs import default_preprocessor
@@ -89,6 +91,8 @@ from coax_utils.utils._gif import generate_gif
 
 __all__ = [
     "CheckpointManager",
+    "CheckpointDamagedError",
+    "CheckpointNotReadableError",
     "MaxTree",
     "MinTree",
     "OUNoiseState",
@@ -170,3 +174,17 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+# This layer's checkpoint types, under the names files store (utils knows none of them).
+for _cls in (
+    MaxTree,
+    MinTree,
+    OUNoiseState,
+    OrnsteinUhlenbeckNoise,
+    SegmentTree,
+    StepwiseLinearFunction,
+    SumTree,
+    SumTreeState,
+):
+    register_checkpoint_type(_cls, f"coax_utils.utils.{_cls.__name__}")
+del _cls

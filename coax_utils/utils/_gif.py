@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 from coax_utils._checks import check_int
-from coax_utils.utils._ckpt_files import atomic_write
+from coax_utils._files import atomic_write
 from coax_utils.utils._envs import get_env_attr
 
 __all__ = ["generate_gif"]

@@ -3,8 +3,6 @@
 import collections
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import json
 import os
 import pathlib
@@ -33,7 +31,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coax_utils import utils
-from coax_utils.utils import _checkpoint, _ckpt_container, _ckpt_files, _ckpt_tree
+from coax_utils.utils._checkpoint import container as _ckpt_container
+from coax_utils.utils._checkpoint import io as _checkpoint
+from coax_utils.utils._checkpoint import tree as _ckpt_tree
 
 DATA = pathlib.Path(__file__).parent / "data"
 
@@ -415,117 +415,11 @@ def _late_every_third(monkeypatch):
     monkeypatch.setattr(_ckpt_container, "_compress", late)
 
 
-def _direct_writers(monkeypatch):
-    """Record, for each direct writer made, whether its file is set to direct I/O."""
-    real, made = _ckpt_files._DirectWriter.__init__, []
-
-    def spy(self, fd):
-        made.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
-        real(self, fd)
-
-    monkeypatch.setattr(_ckpt_files._DirectWriter, "__init__", spy)
-    return made
-
-
 OBJ_OF_MANY_CHUNKS = {
     "noise": np.random.default_rng(1).random(20_000),  # stored raw
     "ramp": np.tile(np.arange(256, dtype=np.uint8), 700),  # compressed
     "tail": np.arange(1001, dtype=np.int16),
 }
-
-
-def test_direct_io_dump_stages_out_of_order_chunks_in_file_order(tmp_path, monkeypatch):
-    with small_chunks(chunk_size=1024, small=256):
-        expected = utils.dumps(OBJ_OF_MANY_CHUNKS)
-        monkeypatch.setattr(_ckpt_files._DirectWriter, "BLOCK", 8192)  # many full blocks
-        _late_every_third(monkeypatch)
-        made = _direct_writers(monkeypatch)
-        for _ in range(2):  # a new file, then one replacing it
-            utils.dump(OBJ_OF_MANY_CHUNKS, tmp_path / "ckpt")
-    assert made == [True, True]
-    assert len(expected) > 10 * 8192 and len(expected) % 4096  # full blocks and a padded tail
-    assert (tmp_path / "ckpt").read_bytes() == expected  # padding cut off, every byte in place
-    assert_tree_equal(utils.load(tmp_path / "ckpt", safe=True), OBJ_OF_MANY_CHUNKS)
-
-
-def test_dump_without_direct_io_or_without_threads(tmp_path, monkeypatch):
-    expected = utils.dumps(OBJ_OF_MANY_CHUNKS)
-    real_fcntl = fcntl.fcntl
-
-    def no_direct_io(fd, cmd, arg=0):
-        # stands in for a file system that refuses O_DIRECT (ramfs does, as Linux's own
-        # check in fcntl shows; mounting one needs root): the file systems here accept it
-        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_fcntl(fd, cmd, arg)
-
-    with monkeypatch.context() as m:
-        m.setattr(fcntl, "fcntl", no_direct_io)
-        made = _direct_writers(m)
-        utils.dump(OBJ_OF_MANY_CHUNKS, tmp_path / "buffered")
-    assert made == []
-    assert (tmp_path / "buffered").read_bytes() == expected
-
-    def no_threads(self):
-        # as while the interpreter exits (a dump from an atexit handler)
-        raise RuntimeError("can't create new thread at interpreter shutdown")
-
-    with monkeypatch.context() as m:
-        m.setattr(threading.Thread, "start", no_threads)
-        utils.dump(OBJ_OF_MANY_CHUNKS, tmp_path / "threadless")
-    assert (tmp_path / "threadless").read_bytes() == expected
-
-    real_pwrite, refused = os.pwrite, []
-
-    def direct_writes_refused(fd, data, offset):
-        # stands in for a file system that opens with O_DIRECT but refuses its writes
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            refused.append(offset)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, offset)
-
-    with monkeypatch.context() as m, small_chunks(chunk_size=1024, small=256):
-        expected_small = utils.dumps(OBJ_OF_MANY_CHUNKS)
-        m.setattr(_ckpt_files._DirectWriter, "BLOCK", 8192)
-        m.setattr(os, "pwrite", direct_writes_refused)
-        utils.dump(OBJ_OF_MANY_CHUNKS, tmp_path / "refused")
-    assert refused == [0]  # the first write was refused, the rest went buffered
-    assert (tmp_path / "refused").read_bytes() == expected_small
-    assert sorted(os.listdir(tmp_path)) == ["buffered", "refused", "threadless"]
-
-
-def test_a_failed_direct_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_path, monkeypatch):
-    path = tmp_path / "ckpt"
-    utils.dump({"version": "old"}, path)
-    old = path.read_bytes()
-    real, writes = os.pwrite, []
-
-    def disk_full(fd, data, offset):
-        writes.append(offset)
-        if len(writes) > 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, data, offset)
-
-    monkeypatch.setattr(_ckpt_files._DirectWriter, "BLOCK", 8192)
-    monkeypatch.setattr(os, "pwrite", disk_full)
-    with small_chunks(chunk_size=1024, small=256), pytest.raises(OSError, match="No space"):
-        utils.dump(OBJ_OF_MANY_CHUNKS, path)
-    assert len(writes) == 3  # the writer stopped at the first failure
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-    assert path.read_bytes() == old
-    assert not [t for t in threading.enumerate() if t.name == "checkpoint-writer"]
-
-
-def test_the_writer_thread_ends_when_its_stop_message_is_lost(tmp_path):
-    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        writer = _ckpt_files._DirectWriter.start(fd)
-        assert writer is not None and writer._thread.is_alive()
-        writer._closed = True  # as when an interrupt lands in __exit__ right after this line
-        writer._thread.join(timeout=5)
-        assert not writer._thread.is_alive()
-    finally:
-        os.close(fd)
 
 
 # -- registered types ----------------------------------------------------------------------
@@ -1159,126 +1053,12 @@ def test_dump_keeps_the_mode_bits_of_the_file_it_replaces(tmp_path):
     assert utils.load(path) == 3
 
 
-def removed_files_held(folder):
-    """The files under ``folder`` that this process holds open though they were removed."""
-    out = []
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{name}")
-            if target.startswith(str(folder)) and target.endswith(" (deleted)"):
-                out.append(target)
-    return out
-
-
-def test_the_replaced_file_is_freed_after_the_dump_returns(tmp_path, monkeypatch):
-    path = tmp_path / "ckpt"
-    monkeypatch.setattr(_ckpt_files, "_FREE_LATER_BYTES", 1)  # every old file counts as large
-    real, held = _ckpt_files._close_later, []
-
-    def close_later(fd):
-        held.append(os.fstat(fd))
-        real(fd)
-
-    monkeypatch.setattr(_ckpt_files, "_close_later", close_later)
-    utils.dump({"version": "old"}, path)
-    assert held == []  # nothing replaced
-    old_inode = os.stat(path).st_ino
-    utils.dump({"version": "new"}, path)
-    [st] = held
-    assert (st.st_ino, st.st_nlink) == (old_inode, 0)  # the old file, already unlinked
-    deadline = time.monotonic() + 10
-    while _ckpt_files._replaced and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not _ckpt_files._replaced and not removed_files_held(tmp_path)
-    assert utils.load(path) == {"version": "new"}
-
-
-HELD_CHILD = textwrap.dedent(
-    """
-    import os, sys
-    from coax_utils import utils
-    from coax_utils.utils import _ckpt_files
-    folder = sys.argv[1]
-    def held():
-        out = 0
-        for name in os.listdir("/proc/self/fd"):
-            try:
-                target = os.readlink(f"/proc/self/fd/{name}")
-            except OSError:
-                continue
-            out += target.startswith(folder) and target.endswith(" (deleted)")
-        return out
-    _ckpt_files._FREE_LATER_BYTES = 1
-    _ckpt_files._close_later = lambda fd: None  # as if no thread ran
-    path = os.path.join(folder, "ckpt")
-    for i in range(3):
-        utils.dump(i, path)
-    after_dumps = held()  # the third dump closed what the second held
-    pid = os.fork()
-    if pid == 0:  # the child must not keep the old file's blocks for its lifetime
-        os._exit(10 + held())
-    _, status = os.waitpid(pid, 0)
-    in_parent = held()
-    _ckpt_files._close_replaced()
-    print(after_dumps, os.waitstatus_to_exitcode(status) - 10, in_parent, held(), utils.load(path))
-    """
-)
-
-
-def test_held_files_are_closed_by_the_next_dump_and_in_forked_children(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-c", HELD_CHILD, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout.split()
-    # held after three dumps, in the forked child, in the parent, after closing, restored
-    assert out == ["1", "0", "1", "0", "2"]
-
-
-def test_links_fifos_shared_and_small_files_are_replaced_the_ordinary_way(tmp_path):
-    big = tmp_path / "big"
-    big.write_bytes(bytes(_ckpt_files._FREE_LATER_BYTES))
-    fd = _ckpt_files._open_replaced(str(big))
-    assert fd is not None and os.fstat(fd).st_ino == os.stat(big).st_ino
-    os.close(fd)
-    (tmp_path / "small").write_bytes(b"x")
-    os.symlink(big, tmp_path / "link")
-    os.mkfifo(tmp_path / "fifo")
-    os.link(big, tmp_path / "second name")  # replacing one name of two frees nothing
-    for name in ["small", "link", "fifo", "second name", "missing"]:
-        assert _ckpt_files._open_replaced(str(tmp_path / name)) is None, name
-    for name in ["link", "fifo", "second name"]:
-        utils.dump({"name": name}, tmp_path / name)
-        assert utils.load(tmp_path / name) == {"name": name}
-    assert big.read_bytes() == bytes(_ckpt_files._FREE_LATER_BYTES)
-
-
-def test_a_failed_rename_keeps_the_old_file_and_closes_what_it_opened(tmp_path, monkeypatch):
-    path = tmp_path / "ckpt"
-    monkeypatch.setattr(_ckpt_files, "_FREE_LATER_BYTES", 1)
-    utils.dump({"version": "old"}, path)
-    old = path.read_bytes()
-
-    def refuse(src, dst):
-        raise OSError(errno.EXDEV, "Invalid cross-device link")
-
-    monkeypatch.setattr(os, "replace", refuse)
-    fds = set(os.listdir("/proc/self/fd"))
-    with pytest.raises(OSError, match="cross-device"):
-        utils.dump({"version": "new"}, path)
-    assert set(os.listdir("/proc/self/fd")) == fds
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-    assert path.read_bytes() == old
-
-
 KILLED_CHILD = textwrap.dedent(
     """
     import sys
     import numpy as np
     from coax_utils import utils
-    from coax_utils.utils import _ckpt_container
+    from coax_utils.utils._checkpoint import container as _ckpt_container
     real = _ckpt_container._compress
     def slow(chunk):
         print("dumping", flush=True)

@@ -17,7 +17,7 @@ from coax_utils import utils
 from coax_utils._checks import checked_dtype
 from coax_utils._numpy_random import bit_generator_from_state, random_state_from_state
 from coax_utils.replay import FrameStackReplayBuffer, NStep, SimpleReplayBuffer, TransitionBatch
-from coax_utils.utils import _ckpt_container
+from coax_utils.utils._checkpoint import container as _ckpt_container
 
 
 def frames_batch(n, k=2):

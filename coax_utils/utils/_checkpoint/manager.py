@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from coax_utils.utils._checkpoint import dump, load
+from coax_utils.utils._checkpoint.io import dump, load
 
 __all__ = ["CheckpointManager"]
 

@@ -50,6 +50,7 @@ from coax_utils._numpy_random import (
     bit_generator_from_state,
     random_state_from_state,
 )
+from coax_utils.utils._checkpoint.errors import UnsafeCheckpointError
 
 __all__ = [
     "Decoder",
@@ -63,14 +64,6 @@ __all__ = [
 MAX_DEPTH = 100  # nesting deeper than this goes to the pickle section (and is refused on load)
 SMALL = 64 << 10  # buffers smaller than this share one segment
 FIRST_BUFFER_SEGMENT = 2  # segment 0: structure, 1: pickle section, 2: shared small buffers
-
-
-class UnsafeCheckpointError(ValueError):
-    """A ``safe=True`` load met data that only unpickling could restore.
-
-    The message names the first such object (its type and where it sits in the tree) and
-    says how to proceed.
-    """
 
 
 # -- dtypes -----------------------------------------------------------------------------------
@@ -134,7 +127,8 @@ _PUBLIC_MODULES = (
     "haiku.data_structures",
     "haiku.mixed_precision",
 )
-_COAX_PACKAGES = ("coax_utils.utils", "coax_utils.replay", "coax_utils.sources", "coax_utils.envs")
+# Checks run on registered NamedTuples and dataclasses once rebuilt (see ``check`` below).
+_checks: dict[type, Callable[[Any], None]] = {}
 
 
 def _is_namedtuple(cls: type) -> bool:
@@ -155,7 +149,9 @@ def _add(cls: type, name: str) -> None:
     _name_of.setdefault(cls, name)
 
 
-def register_checkpoint_type(cls: type, name: str | None = None) -> type:
+def register_checkpoint_type(
+    cls: type, name: str | None = None, check: Callable[[Any], None] | None = None
+) -> type:
     """Let checkpoints hold instances of ``cls`` as data (readable with ``safe=True``).
 
     ``cls`` must be a NamedTuple, a dataclass, or a class with the stateful-object protocol:
@@ -164,7 +160,8 @@ def register_checkpoint_type(cls: type, name: str | None = None) -> type:
     ``state`` and raises ValueError when one does not hold. NamedTuples are rebuilt with
     ``tuple.__new__`` and dataclasses field by field, without running their ``__init__``.
     Register a class before dumping and before loading; the name is what the file stores.
-    The classes of optax, haiku and coax_utils are registered already.
+    The classes of optax, haiku and coax_utils are registered already (each subpackage of
+    coax_utils registers its own when it is imported).
 
     Parameters
     ----------
@@ -172,6 +169,13 @@ def register_checkpoint_type(cls: type, name: str | None = None) -> type:
         The class to register.
     name : str, optional
         The name stored in files (default: ``module.qualname``).
+    check : callable, optional
+        For a NamedTuple or a dataclass: ``check(obj)`` is called on every instance a load
+        rebuilds, before anything else sees it, and raises ValueError (or TypeError) for one
+        whose fields break an invariant of the type; the load then fails with
+        :class:`CheckpointDamagedError`. By default the class's own method
+        ``__checkpoint_check__(self)``, where it defines one, is that check. Stateful classes
+        check in their ``__checkpoint_restore__`` instead.
 
     Returns
     -------
@@ -196,9 +200,13 @@ def register_checkpoint_type(cls: type, name: str | None = None) -> type:
         name = f"{cls.__module__}.{cls.__qualname__}"
     if type(name) is not str or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if check is not None and (not callable(check) or _is_stateful(cls)):
+        raise TypeError("check must be a callable, and is for NamedTuples and dataclasses only")
     _load_builtins()
     with _lock:
         _add(cls, name)
+        if check is not None:
+            _checks[cls] = check
     return cls
 
 
@@ -209,14 +217,6 @@ def _load_builtins() -> None:
     with _lock:
         if _builtins_loaded:
             return
-        for package in _COAX_PACKAGES:
-            module = importlib.import_module(package)
-            for attr in module.__all__:
-                obj = getattr(module, attr)
-                if isinstance(obj, type) and (
-                    _is_namedtuple(obj) or dataclasses.is_dataclass(obj) or _is_stateful(obj)
-                ):
-                    _add(obj, f"{package}.{attr}")
         for name in _PUBLIC_MODULES:
             try:
                 importlib.import_module(name)
@@ -762,10 +762,17 @@ class Decoder(_Scoped):
                 f"{name} has fields {list(fields)}, the file gives {str(list(values))[:200]}"
             )
         if _is_namedtuple(cls):
-            return self._define(mid, tuple.__new__(cls, [values[f] for f in fields]))
-        obj = object.__new__(cls)
-        for f in fields:
-            object.__setattr__(obj, f, values[f])
+            obj = tuple.__new__(cls, [values[f] for f in fields])
+        else:
+            obj = object.__new__(cls)
+            for f in fields:
+                object.__setattr__(obj, f, values[f])
+        check = _checks.get(cls) or getattr(cls, "__checkpoint_check__", None)
+        if check is not None:
+            try:
+                check(obj)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"invalid {name}: {e}") from None
         return self._define(mid, obj)
 
     def _object(self, mid: Any, name: Any, state: Any, depth: int) -> Any:

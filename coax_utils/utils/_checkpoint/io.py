@@ -28,9 +28,9 @@ import cloudpickle
 import jax
 import numpy as np
 
-from coax_utils._files import open_regular_file
+from coax_utils._files import as_path, atomic_write, open_regular_file
 from coax_utils._version import __version__
-from coax_utils.utils._ckpt_container import (
+from coax_utils.utils._checkpoint.container import (
     RAW,
     Corrupt,
     FileSource,
@@ -42,8 +42,7 @@ from coax_utils.utils._ckpt_container import (
     read_segments,
     write_container,
 )
-from coax_utils.utils._ckpt_files import as_path, atomic_write
-from coax_utils.utils._ckpt_tree import (
+from coax_utils.utils._checkpoint.tree import (
     SMALL,
     Decoder,
     Encoder,
@@ -150,6 +149,8 @@ class _OldUnpickler(pickle.Unpickler):
     """
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == "coax_utils.utils._checkpoint":  # where version 1 had its rebuilders
+            module = __name__
         obj = super().find_class(module, name)
         if module.startswith("coax_utils.") and hasattr(obj, "__checkpoint_restore__"):
             raise Corrupt(
