@@ -30,15 +30,11 @@ __all__ = [
 _ERROR = "__ERROR__"
 
 
-def _check_depth(max_depth: Any) -> int:
-    return check_int(max_depth, "max_depth", low=1)
-
-
 def _find_env_attr(env: Any, attr: str, max_depth: int) -> tuple[bool, Any]:
     if not isinstance(attr, str):
         raise TypeError(f"attr must be a str, got {attr!r}")
     e = env
-    for _ in range(_check_depth(max_depth)):
+    for _ in range(check_int(max_depth, "max_depth", low=1)):
         # look in the instance and its class only: gymnasium wrappers do not forward
         # attribute access, so each level is inspected explicitly
         try:

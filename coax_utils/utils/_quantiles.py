@@ -12,10 +12,6 @@ from coax_utils._checks import check_int
 __all__ = ["quantile_cos_embedding", "quantiles", "quantiles_uniform"]
 
 
-def _check_size(value: Any, name: str, minimum: int) -> int:
-    return check_int(value, name, low=minimum)
-
-
 def quantiles(batch_size: int, num_quantiles: int = 200) -> jax.Array:
     r"""Equally spaced quantile fractions, repeated for every item of a batch.
 
@@ -48,8 +44,8 @@ def quantiles(batch_size: int, num_quantiles: int = 200) -> jax.Array:
     Array([[0.  , 0.25, 0.5 , 0.75],
            [0.  , 0.25, 0.5 , 0.75]], dtype=float32)
     """
-    batch_size = _check_size(batch_size, "batch_size", 0)
-    num_quantiles = _check_size(num_quantiles, "num_quantiles", 1)
+    batch_size = check_int(batch_size, "batch_size", low=0)
+    num_quantiles = check_int(num_quantiles, "num_quantiles", low=1)
     fractions = jnp.arange(num_quantiles, dtype=jnp.float32) / num_quantiles
     return jnp.broadcast_to(fractions, (batch_size, num_quantiles))
 
@@ -93,8 +89,8 @@ def quantiles_uniform(rng: jax.Array, batch_size: int, num_quantiles: int = 32) 
     >>> tau.shape, bool((tau[:, -1] == 1).all()), bool((jax.numpy.diff(tau) > 0).all())
     ((3, 5), True, True)
     """
-    batch_size = _check_size(batch_size, "batch_size", 0)
-    num_quantiles = _check_size(num_quantiles, "num_quantiles", 1)
+    batch_size = check_int(batch_size, "batch_size", low=0)
+    num_quantiles = check_int(num_quantiles, "num_quantiles", low=1)
     # minval > 0 keeps every increment positive, so rows are strictly increasing.
     u = jax.random.uniform(
         rng, (batch_size, num_quantiles), dtype=jnp.float32, minval=1e-6, maxval=1.0
@@ -139,7 +135,7 @@ def quantile_cos_embedding(quantile_fractions: Any, n: int = 64) -> jax.Array:
     Array([[ 1.,  1.,  1.],
            [ 1., -1.,  1.]], dtype=float32)
     """
-    n = _check_size(n, "n", 1)
+    n = check_int(n, "n", low=1)
     tau = jnp.asarray(quantile_fractions)
     if not jnp.issubdtype(tau.dtype, jnp.floating):
         tau = tau.astype(jnp.result_type(float))
