@@ -31,6 +31,8 @@ import lz4.block
 import lz4.frame
 import numpy as np
 
+from coax_utils.utils._checkpoint.errors import CheckpointNotReadableError
+
 __all__ = [
     "CHUNK_SIZE",
     "Corrupt",
@@ -371,17 +373,19 @@ def parse(source: Any, max_version: int) -> Container:
     magic, version, meta_len = _HEADER.unpack(bytes(source.read(0, _HEADER.size)))
     if magic != MAGIC:
         raise Corrupt("unrecognised header (neither coax_utils nor legacy coax lz4 data)")
-    if not 1 <= version <= max_version:
-        raise Corrupt(
-            f"format version {version} is not supported (this coax_utils reads versions 1 to "
-            f"{max_version}; upgrade coax_utils)"
-        )
     body_start = _HEADER.size + meta_len + _CRC.size
     if body_start + _FOOTER.size > size:
         raise Corrupt("header larger than the data (truncated?)")
     header = bytes(source.read(0, body_start))
     if zlib.crc32(header[: -_CRC.size]) != _CRC.unpack(header[-_CRC.size :])[0]:
         raise Corrupt("header checksum mismatch")
+    if version > max_version:  # checked after the checksum: a bit flip is damage
+        raise CheckpointNotReadableError(
+            f"it has format version {version}, written by a newer coax_utils (this one reads "
+            f"versions 1 to {max_version}); upgrade coax_utils to load it"
+        )
+    if version < 1:
+        raise Corrupt(f"format version {version} does not exist")
     meta = _json(header[_HEADER.size : _HEADER.size + meta_len], "header metadata")
     if not isinstance(meta, dict):
         raise Corrupt("header metadata is not a JSON object")

@@ -42,16 +42,20 @@ from coax_utils.utils._checkpoint.container import (
     read_segments,
     write_container,
 )
+from coax_utils.utils._checkpoint.errors import (
+    CheckpointDamagedError,
+    CheckpointNotReadableError,
+    UnsafeCheckpointError,
+)
 from coax_utils.utils._checkpoint.tree import (
     SMALL,
     Decoder,
     Encoder,
-    UnsafeCheckpointError,
     jax_array,
     segments_to_read,
 )
 
-__all__ = ["UnsafeCheckpointError", "dump", "dumps", "load", "loads"]
+__all__ = ["dump", "dumps", "load", "loads"]
 
 FORMAT_VERSION = 2
 _STRUCTURE, _PICKLES = 0, 1
@@ -130,12 +134,12 @@ _META = {"format": "coax_utils checkpoint", "coax_utils": __version__}
 # -- reading ---------------------------------------------------------------------------------
 
 
-def _unsafe(source: str, what: str) -> UnsafeCheckpointError:
+def _unsafe(what: str) -> UnsafeCheckpointError:
     return UnsafeCheckpointError(
-        f"{source} holds {what}, which only unpickling can restore, and safe=True never "
-        "unpickles. Load it with safe=False only if you trust its source; to get a file that "
-        "safe mode reads, load it once that way and dump it again (classes of your own that "
-        "hold plain data can be registered with coax_utils.utils.register_checkpoint_type)."
+        f"it holds {what}, which only unpickling can restore, and safe=True never unpickles. "
+        "Load it with safe=False only if you trust its source; to get a file that safe mode "
+        "reads, load it once that way and dump it again (classes of your own that hold plain "
+        "data can be registered with coax_utils.utils.register_checkpoint_type)"
     )
 
 
@@ -153,7 +157,7 @@ class _OldUnpickler(pickle.Unpickler):
             module = __name__
         obj = super().find_class(module, name)
         if module.startswith("coax_utils.") and hasattr(obj, "__checkpoint_restore__"):
-            raise Corrupt(
+            raise CheckpointNotReadableError(
                 f"it holds a {name} of coax_utils 0.1, whose saved attributes this version "
                 "cannot restore; load it with coax_utils 0.1 and save its data (or the object "
                 "with replay buffers' save(folder)) again"
@@ -165,6 +169,11 @@ def _unpickle(stream: Any, buffers: list[Any] | None = None, old: bool = False) 
     cls = _OldUnpickler if old else pickle.Unpickler
     try:
         return cls(io.BytesIO(stream), buffers=buffers).load()
+    except (ImportError, AttributeError) as e:  # intact, names what is not installed here
+        raise CheckpointNotReadableError(
+            f"its pickle section needs something this environment lacks ({e}); install or "
+            "import it and load again"
+        ) from None
     except (pickle.UnpicklingError, EOFError) as e:
         raise Corrupt(f"the pickle is damaged ({e})") from None
 
@@ -184,7 +193,7 @@ def _load_v2(data: Any, container: Any, safe: bool, source: str) -> Any:
     if safe and sizes[_PICKLES]:
         described = structure.get("pickled") if isinstance(structure, dict) else None
         first = described[0] if isinstance(described, list) and described else "?"
-        raise _unsafe(source, f"an object that is not plain data ({str(first)[:200]!r})")
+        raise _unsafe(f"an object that is not plain data ({str(first)[:200]!r})")
     if isinstance(structure, dict) and "pickle_buffers" in structure and not sizes[_PICKLES]:
         raise Corrupt("the structure names buffers of a pickle section the file does not have")
     segments = read_segments(data, container, segments_to_read(structure, sizes))
@@ -207,29 +216,31 @@ def _load_from(data: Any, safe: bool, source: str) -> Any:
     try:
         if is_legacy_frame(data):
             if safe:
-                raise _unsafe(source, "a legacy coax pickle (lz4 frame)")
+                raise _unsafe("a legacy coax pickle (lz4 frame)")
             return _unpickle(decompress_legacy_frame(data), old=True)
         container = parse(data, FORMAT_VERSION)
         if container.version == 1:
             if safe:
-                raise _unsafe(source, "a pickle (format version 1)")
+                raise _unsafe("a pickle (format version 1)")
             n = len(container.segments)
             segments = read_segments(data, container, list(range(n)))
             return _unpickle(segments[0], [segments[i] for i in range(1, n)], old=True)
         return _load_v2(data, container, safe, source)
-    except UnsafeCheckpointError:
-        raise
+    except CheckpointNotReadableError as e:
+        raise type(e)(f"{source} is intact but cannot be read here: {e}") from None
     except (
         Corrupt,
         ValueError,
         TypeError,
-        KeyError,
-        IndexError,
-        OverflowError,
+        LookupError,
+        ArithmeticError,
         RecursionError,
         AttributeError,
     ) as e:
-        raise ValueError(f"{source} is not a valid coax_utils checkpoint: {e}") from None
+        raise CheckpointDamagedError(
+            f"{source} is damaged or forged, not a valid coax_utils checkpoint: {e}. Nothing "
+            "in it can be trusted; restore an older checkpoint"
+        ) from None
 
 
 _REFERENCES_WARNING = """
@@ -367,12 +378,14 @@ def loads(s: bytes | bytearray | memoryview, safe: bool = False) -> Any:
 
     Raises
     ------
-    UnsafeCheckpointError
-        With ``safe=True``, if the data needs unpickling; the message names the first object
-        that is not plain data. It is a ValueError.
-    ValueError
-        If ``s`` is not a valid checkpoint: foreign, truncated, corrupted (checksum
-        mismatch), or lying about any size, count or invariant.
+    CheckpointDamagedError
+        If ``s`` is damaged or forged: foreign, truncated, corrupted (checksum mismatch), or
+        lying about any size, count or invariant of the objects it holds.
+    CheckpointNotReadableError
+        If ``s`` is intact but cannot be read here: a type that is not registered, 64-bit
+        jax arrays while ``jax_enable_x64`` is off, a newer format, or (with ``safe=True``)
+        data that needs unpickling (:class:`UnsafeCheckpointError`, whose message names the
+        first object that is not plain data). Both families are ValueErrors.
 
     Examples
     --------
@@ -462,11 +475,12 @@ def load(filepath: str | os.PathLike, safe: bool = False) -> Any:
 
     Raises
     ------
-    UnsafeCheckpointError
-        With ``safe=True``, if the file needs unpickling (see :func:`loads`).
+    CheckpointDamagedError
+        If the file is damaged or forged (see :func:`loads`; the message names the file).
+    CheckpointNotReadableError
+        If the file is intact but cannot be read here (see :func:`loads`).
     ValueError
-        If the file is not a valid checkpoint (the message names the file), or is not a
-        regular file (a FIFO, a folder or a device is refused at once).
+        If the file is not a regular file (a FIFO, a folder or a device is refused at once).
     OSError
         If the file cannot be read (FileNotFoundError if it does not exist).
 

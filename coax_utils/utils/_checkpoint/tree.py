@@ -50,12 +50,11 @@ from coax_utils._numpy_random import (
     bit_generator_from_state,
     random_state_from_state,
 )
-from coax_utils.utils._checkpoint.errors import UnsafeCheckpointError
+from coax_utils.utils._checkpoint.errors import CheckpointNotReadableError
 
 __all__ = [
     "Decoder",
     "Encoder",
-    "UnsafeCheckpointError",
     "jax_array",
     "register_checkpoint_type",
     "segments_to_read",
@@ -220,7 +219,7 @@ def _load_builtins() -> None:
         for name in _PUBLIC_MODULES:
             try:
                 importlib.import_module(name)
-            except ImportError:
+            except Exception:  # noqa: BLE001 (installed but broken: its types stay unknown)
                 continue
         public = [sys.modules[m] for m in _PUBLIC_MODULES if m in sys.modules]
         found = []
@@ -581,7 +580,7 @@ class Decoder(_Scoped):
         if type(weak) is not bool:
             raise ValueError("weak type flag is not a bool")
         if jax.dtypes.canonicalize_dtype(arr.dtype) != arr.dtype:
-            raise ValueError(
+            raise CheckpointNotReadableError(
                 f"a jax array of dtype {arr.dtype} cannot be restored while jax_enable_x64 is "
                 "off (it would change its values); enable it to load this checkpoint"
             )
@@ -740,7 +739,7 @@ class Decoder(_Scoped):
     def _registered(self, name: Any) -> type:
         cls = _by_name.get(name) if type(name) is str else None
         if cls is None:
-            raise ValueError(
+            raise CheckpointNotReadableError(
                 f"type {name!r} is not registered (register it with "
                 "coax_utils.utils.register_checkpoint_type before loading)"
             )
