@@ -4,8 +4,8 @@ from coax_utils.envs._bridge import (
     GymnasiumParams,
     GymnasiumState,
     GymnasiumToJax,
-    JaxToGymnasium,
 )
+from coax_utils.envs._jax_to_gymnasium import JaxToGymnasium
 from coax_utils.envs._spaces import (
     Box,
     Dict,
