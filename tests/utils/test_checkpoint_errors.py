@@ -8,9 +8,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import zlib
 from typing import NamedTuple
 
-import numpy as np
 import pytest
 
 from coax_utils import utils
@@ -99,7 +99,6 @@ def test_a_newer_format_is_not_readable_and_a_flipped_version_is_damaged():
     newer[version_at] = 3
     with pytest.raises(utils.CheckpointDamagedError, match="header checksum"):
         utils.loads(bytes(newer))  # the version field alone changed: a bit flip
-    import zlib
 
     meta_len = int.from_bytes(s[12:16], "little")
     end = 16 + meta_len

@@ -473,14 +473,18 @@ _CONTAINER_TAGS = {"l": list, "S": set, "F": frozenset, "t": tuple}
 def jax_array(arr: np.ndarray, weak: bool) -> jax.Array:
     """A jax array on the default device holding ``arr``, weakly typed if ``weak``.
 
-    A weak type is set with public APIs only: a weakly typed ``full`` of the same dtype,
-    whose values are then set (dtypes that have no weak form stay strong).
+    The weak type is set the way unpickling a jax array sets it: ``__reduce__`` of a weak
+    array of the same dtype (a Python scalar put on the device) gives the function pickle
+    calls and the type flags it passes; called with the reduction of ``arr``, it puts the
+    data on the device as it is. Nothing is compiled, whatever the shape (eager ops would
+    compile once per shape). Dtypes that have no weak form stay strong.
     """
-    kind = {"f": 0.0, "i": 0, "c": 0j}.get(arr.dtype.kind) if weak else None
-    if kind is not None:
-        base = jnp.full(arr.shape, kind)
-        if base.dtype == arr.dtype:
-            return base.at[...].set(arr)
+    scalar = {"f": 0.0, "i": 0, "c": 0j}.get(arr.dtype.kind) if weak else None
+    if scalar is not None:
+        template = jax.device_put(scalar)  # weak, in the dtype of Python scalars here
+        if template.dtype == arr.dtype:
+            rebuild, (_, _, _, flags) = template.__reduce__()
+            return rebuild(*arr.__reduce__(), flags)
     return jax.device_put(arr)
 
 
