@@ -12,14 +12,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coax_utils import utils
 from coax_utils.replay import NStep, PrioritizedReplayBuffer, TransitionBatch
-
-PENDING = ".coax_utils-pending"
 
 
 def ckpt(step):
@@ -28,6 +27,11 @@ def ckpt(step):
 
 def metrics_file(step):
     return f"ckpt_{step:012d}.metrics.pkl.lz4"
+
+
+def temp_files(path):
+    """The temp files of ``dump`` in ``path`` (none may stay after a save or a restart)."""
+    return [n for n in os.listdir(path) if n.startswith(".coax_utils-") and n.endswith(".tmp")]
 
 
 def folder_bytes(path):
@@ -93,7 +97,7 @@ def test_round_trip_file_names_and_types(tmp_path, background):
     # plain `ls` order (sorted names) is step order
     names = sorted(n for n in os.listdir(tmp_path) if not n.startswith("."))
     assert names == [ckpt(s) for s in steps]
-    assert os.listdir(tmp_path / PENDING) == []
+    assert temp_files(tmp_path) == []
     assert utils.load(tmp_path / ckpt(7))["step"] == 7  # plain files, loadable on their own
 
 
@@ -349,6 +353,45 @@ def test_mutating_the_state_after_save_does_not_change_the_checkpoint(tmp_path):
     assert not loaded["tracer"]
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_cyclic_and_shared_states_keep_their_shape(tmp_path, background):
+    a = [13, jnp.arange(3.0)]
+    b = {"a": a}
+    cycle = [1]
+    cycle.append(cycle)  # a list that holds itself
+    node = {"name": "node"}
+    node["self"] = node
+    big = list(range(100_000))
+    params = {"w": jnp.ones(4), "b": np.zeros(2)}
+    opt = optax.adam(0.1).init({"w": params["w"]})  # NamedTuples holding jax arrays
+    state = {
+        "a": a,
+        "b": b,
+        "cycle": cycle,
+        "node": node,
+        "many": [big] * 20,  # one list, 20 references: copied once
+        "params": params,
+        "twice": (params, params["w"], params["b"]),
+        "opt": opt,
+    }
+    with utils.CheckpointManager(tmp_path, background=background) as m:
+        m.save(1, state)
+        a.append(7)  # after save: not in the checkpoint
+        m.wait()
+        r = m.restore()
+    assert r["b"]["a"] is r["a"] and r["a"][0] == 13 and len(r["a"]) == 2
+    np.testing.assert_array_equal(r["a"][1], [0.0, 1.0, 2.0])
+    assert r["cycle"][1] is r["cycle"] and r["cycle"][0] == 1
+    assert r["node"]["self"] is r["node"] and r["node"]["name"] == "node"
+    assert all(x is r["many"][0] for x in r["many"]) and r["many"][0] == big
+    assert r["twice"][0] is r["params"]
+    assert r["twice"][1] is r["params"]["w"] and r["twice"][2] is r["params"]["b"]
+    assert isinstance(r["params"]["w"], jax.Array) and isinstance(r["params"]["b"], np.ndarray)
+    assert jax.tree_util.tree_structure(r["opt"]) == jax.tree_util.tree_structure(opt)
+    assert type(r["opt"][0]) is type(opt[0])
+    np.testing.assert_array_equal(r["opt"][0].mu["w"], np.zeros(4))
+
+
 def test_background_error_surfaces_in_wait_save_and_close(tmp_path):
     m = utils.CheckpointManager(tmp_path)
     m.save(1, {"ok": 1})
@@ -357,7 +400,7 @@ def test_background_error_surfaces_in_wait_save_and_close(tmp_path):
         m.wait()
     m.wait()  # raised once, then cleared
     assert m.all_steps() == [1]
-    assert sorted(os.listdir(tmp_path / PENDING)) == []
+    assert temp_files(tmp_path) == []
 
     m.save(2, {"bad": FailsToPickle()}, metrics={"x": 1.0})
     with pytest.raises(RuntimeError, match="refuses to be pickled"):
@@ -496,7 +539,7 @@ def test_sigkill_during_background_saves_then_restore_the_newest_complete_step(t
         with utils.CheckpointManager(
             folder, max_to_keep=2, keep_every_n_steps=10, best_fn=lambda metrics: metrics["score"]
         ) as m:
-            assert os.listdir(folder / PENDING) == []  # unfinished files were removed
+            assert temp_files(folder) == []  # unfinished files were removed
             latest = m.latest_step()
             if latest is None:  # killed before the first save completed
                 assert max(completed, newest) < 0
@@ -515,34 +558,66 @@ def test_sigkill_during_background_saves_then_restore_the_newest_complete_step(t
     assert newest > 0
 
 
-@pytest.mark.parametrize("safe", [False, True])
-def test_restore_skips_a_truncated_newest_checkpoint(tmp_path, safe):
-    with utils.CheckpointManager(tmp_path, max_to_keep=3) as m:
-        for step in (10, 20, 30):
+def save_steps(folder, steps, **kwargs):
+    with utils.CheckpointManager(folder, max_to_keep=None, **kwargs) as m:
+        for step in steps:
             m.save(step, {"step": step, "x": np.arange(100_000)}, metrics={"s": step})
-    newest = tmp_path / ckpt(30)
-    data = newest.read_bytes()
-    newest.write_bytes(data[: len(data) // 2])
-    with utils.CheckpointManager(tmp_path, max_to_keep=3) as m:
-        assert m.latest_step() == 30  # the file is complete as far as names go
-        with pytest.warns(RuntimeWarning, match=ckpt(30)):
+
+
+def damage(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("safe", [False, True])
+def test_restore_falls_back_past_a_damaged_checkpoint_and_keeps_it(tmp_path, safe):
+    save_steps(tmp_path, (10, 20, 30))
+    damage(tmp_path / ckpt(30))
+    before = folder_bytes(tmp_path)
+    with utils.CheckpointManager(tmp_path, max_to_keep=None) as m:
+        with pytest.warns(RuntimeWarning, match=r"not restoring step 30: it is damaged") as rec:
             state = m.restore(safe=safe)
+        assert ckpt(30) in str(rec[0].message)
         assert state["step"] == 20
-        if safe:  # a refusal cannot be told from corruption: the file stays
-            assert newest.exists() and m.latest_step() == 30
-        else:  # moved aside, so that training goes on from step 20
-            assert not newest.exists() and not (tmp_path / metrics_file(30)).exists()
-            assert (tmp_path / (ckpt(30) + ".corrupt")).read_bytes() == data[: len(data) // 2]
-            assert m.all_steps() == [10, 20]
+        # nothing renamed, deleted or forgotten: the manager still names the file on disk
+        assert folder_bytes(tmp_path) == before
+        assert m.all_steps() == [10, 20, 30] and m.latest_step() == 30
+        with pytest.raises(utils.CheckpointDamagedError, match=ckpt(30)):
+            m.restore(30)  # an explicit step is loaded or fails, never skipped
+        with pytest.raises(ValueError, match="not after the newest saved step 30"):
             m.save(21, {"step": 21})
-        if safe:
-            with pytest.raises(ValueError, match=ckpt(30)):
-                m.restore(30)  # an explicit step is loaded or fails, never skipped
-        else:
-            with pytest.raises(FileNotFoundError, match="no checkpoint of step 30"):
-                m.restore(30)
+        assert folder_bytes(tmp_path) == before
         with pytest.raises(FileNotFoundError, match="no checkpoint of step 25"):
             m.restore(25)
+
+
+def test_quarantine_moves_damaged_checkpoints_aside(tmp_path):
+    save_steps(tmp_path, (10, 20, 30))
+    damage(tmp_path / ckpt(30))
+    damaged = (tmp_path / ckpt(30)).read_bytes()
+    with utils.CheckpointManager(tmp_path, max_to_keep=None) as m:
+        with pytest.warns(RuntimeWarning, match=r"step 30: .*renamed to"):
+            assert m.restore(quarantine=True)["step"] == 20
+        assert (tmp_path / (ckpt(30) + ".corrupt")).read_bytes() == damaged
+        assert m.all_steps() == [10, 20]
+        m.save(21, {"step": 21})  # training goes on from step 20, without metrics
+        m.wait()
+        assert m.restore()["step"] == 21
+    # the metrics of the moved step are removed as a leftover by the next manager
+    with utils.CheckpointManager(tmp_path, max_to_keep=None) as m:
+        assert m.all_steps() == [10, 20, 21]
+    assert not (tmp_path / metrics_file(30)).exists()
+
+
+def test_quarantine_of_a_checkpoint_that_cannot_be_renamed(tmp_path):
+    # a folder already named <checkpoint>.corrupt: the file stays, and so does its step
+    save_steps(tmp_path, (10, 20))
+    (tmp_path / ckpt(20)).write_bytes((tmp_path / ckpt(20)).read_bytes()[:10])
+    (tmp_path / (ckpt(20) + ".corrupt")).mkdir()
+    with utils.CheckpointManager(tmp_path, max_to_keep=3) as m:
+        with pytest.warns(RuntimeWarning, match="could not be renamed"):
+            assert m.restore(quarantine=True)["step"] == 10
+        assert (tmp_path / ckpt(20)).exists() and m.all_steps() == [10, 20]
 
 
 def test_restore_with_nothing_to_load(tmp_path):
@@ -550,45 +625,158 @@ def test_restore_with_nothing_to_load(tmp_path):
         with pytest.raises(FileNotFoundError, match="no checkpoint"):
             m.restore()
         m.save(1, {"a": 1})
-    (tmp_path / ckpt(1)).write_bytes(b"garbage")
+        m.save(2, {"a": 2})
+    for step in (1, 2):
+        (tmp_path / ckpt(step)).write_bytes(b"garbage")
     with utils.CheckpointManager(tmp_path) as m:
-        with pytest.warns(RuntimeWarning, match=ckpt(1)):
-            with pytest.raises(FileNotFoundError, match="no checkpoint"):
-                m.restore()
+        with pytest.warns(RuntimeWarning, match="not restoring step 2"):
+            with pytest.warns(RuntimeWarning, match="not restoring step 1"):
+                # every step damaged: an error, not a silent start from scratch
+                with pytest.raises(utils.CheckpointDamagedError, match=r"steps \[1, 2\]"):
+                    m.restore()
+        assert m.all_steps() == [1, 2]
+
+
+def test_safe_restore_of_a_newer_checkpoint_with_a_pickle_section_raises(tmp_path):
+    with utils.CheckpointManager(tmp_path) as m:
+        m.save(1, {"step": 1})
+        m.save(2, {"step": 2, "fn": lambda x: x + 1})  # a function: the pickle section
+    before = folder_bytes(tmp_path)
+    with utils.CheckpointManager(tmp_path) as m:
+        with pytest.raises(utils.UnsafeCheckpointError, match=ckpt(2)):
+            m.restore(safe=True)  # not step 1 with a warning while latest_step() says 2
+        assert folder_bytes(tmp_path) == before
+        assert m.latest_step() == 2
+        assert m.restore()["fn"](1) == 2  # trusted: safe=False reads it
+
+
+# a module of the user's: a NamedTuple that must be registered before its checkpoints load
+USER_TYPES = """
+from typing import NamedTuple
+
+from coax_utils import utils
+
+
+class Counter(NamedTuple):
+    count: int
+    total: float
+
+
+def register():
+    utils.register_checkpoint_type(Counter, "user.Counter")
+"""
+
+# argv: folder, mode ('save', 'forget' or 'fixed'), what ('registration' or 'x64')
+RESUME = """
+import sys
+
+import jax
+
+folder, mode, what = sys.argv[1:]
+if what == "x64" and mode != "forget":
+    jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp
+import user_types
+
+from coax_utils import utils
+
+if what == "registration" and mode != "forget":
+    user_types.register()
+manager = utils.CheckpointManager(folder, max_to_keep=2)
+if mode == "save":
+    for step in (100, 200, 300):
+        if what == "x64":
+            state = {"step": step, "w": jnp.full(3, step + 0.5, jnp.float64)}
+        else:
+            state = {"step": step, "w": user_types.Counter(step, step + 0.5)}
+        manager.save(step, state)
+    manager.close()
+    sys.exit(0)
+# the documented resume pattern
+step = 0
+if manager.latest_step() is not None:
+    try:
+        state = manager.restore()
+    except utils.CheckpointNotReadableError as err:
+        print("not readable:", type(err).__name__, err)
+        sys.exit(3)
+    step = state["step"]
+    w = state["w"]
+    print("resumed", step, type(w).__name__, getattr(w, "dtype", None), flush=True)
+manager.close()
+"""
+
+
+@pytest.mark.parametrize("what", ["registration", "x64"])
+def test_a_process_that_cannot_read_the_checkpoints_changes_nothing(tmp_path, what):
+    (tmp_path / "user_types.py").write_text(USER_TYPES)
+    folder = tmp_path / "run"
+
+    def run(mode):
+        env = dict(os.environ, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu")
+        return subprocess.run(
+            [sys.executable, "-c", RESUME, str(folder), mode, what],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+
+    out = run("save")
+    assert out.returncode == 0, out.stderr[-3000:]
+    before = folder_bytes(folder)
+    assert set(before) == {ckpt(200), ckpt(300), ".coax_utils-lock"}
+    # a process that forgot the registration (or the x64 flag): an error, and no change
+    out = run("forget")
+    assert out.returncode == 3, (out.stdout, out.stderr[-3000:])
+    assert "not readable: CheckpointNotReadableError" in out.stdout
+    assert "register_checkpoint_type" in out.stdout or "jax_enable_x64" in out.stdout
+    assert folder_bytes(folder) == before
+    assert sorted(os.listdir(folder)) == sorted(before)
+    # fixed, it resumes from the newest step
+    out = run("fixed")
+    assert out.returncode == 0, out.stderr[-3000:]
+    expected = "Counter None" if what == "registration" else "ArrayImpl float64"
+    assert f"resumed 300 {expected}" in out.stdout
+    assert folder_bytes(folder) == before
 
 
 def test_restart_removes_unfinished_files_and_keeps_foreign_ones(tmp_path):
     with utils.CheckpointManager(tmp_path) as m:
         m.save(1, {"a": 1}, metrics={"r": 1.0})
-    # what a save killed at various moments leaves behind
-    (tmp_path / PENDING / ckpt(2)).write_bytes(b"half a checkpoint")
-    (tmp_path / PENDING / ".coax_utils-123-abc.tmp").write_bytes(b"a temp of dump")
-    utils.dump({"r": 2.0}, tmp_path / metrics_file(2))  # metrics renamed in, checkpoint not
+    # what a save killed at various moments leaves behind: a temp file of dump (of a process
+    # that has ended), metrics written without their checkpoint
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
+    (tmp_path / f".coax_utils-{dead}-0123456789ab.tmp").write_bytes(b"half a checkpoint")
+    utils.dump({"r": 2.0}, tmp_path / metrics_file(2))
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "ckpt_5.pkl.lz4").write_bytes(b"not the manager's naming")
     with utils.CheckpointManager(tmp_path, best_fn=lambda m: m["r"]) as m:
         assert m.all_steps() == [1]
         assert m.best_step() == 1
-        assert os.listdir(tmp_path / PENDING) == []
+        assert temp_files(tmp_path) == []
         assert not (tmp_path / metrics_file(2)).exists()
         m.save(2, {"a": 2})
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert (tmp_path / "ckpt_5.pkl.lz4").exists()
 
 
-def test_restore_skips_a_corrupt_checkpoint_that_cannot_be_renamed(tmp_path):
-    # a folder already named <checkpoint>.corrupt: restore raised IsADirectoryError instead
-    # of going on with the next older checkpoint
-    with utils.CheckpointManager(tmp_path, max_to_keep=3) as m:
-        for step in (10, 20):
-            m.save(step, {"step": step})
-    newest = tmp_path / ckpt(20)
-    newest.write_bytes(newest.read_bytes()[:10])
-    (tmp_path / (ckpt(20) + ".corrupt")).mkdir()
-    with utils.CheckpointManager(tmp_path, max_to_keep=3) as m:
-        with pytest.warns(RuntimeWarning, match="could not be renamed"):
-            assert m.restore(safe=False)["step"] == 10
-        assert newest.exists() and m.all_steps() == [10, 20]
+def test_folder_of_an_older_version_opens(tmp_path):
+    # older versions wrote through a pending folder; what one left there is ignored
+    with utils.CheckpointManager(tmp_path) as m:
+        m.save(1, {"a": 1}, metrics={"r": 1.0})
+    pending = tmp_path / ".coax_utils-pending"
+    pending.mkdir()
+    (pending / ckpt(2)).write_bytes(b"half a checkpoint")
+    with utils.CheckpointManager(tmp_path, best_fn=lambda m: m["r"]) as m:
+        assert m.all_steps() == [1] and m.best_step() == 1
+        m.save(2, {"a": 2})
+        m.wait()
+        assert m.restore() == {"a": 2}
+    assert (pending / ckpt(2)).read_bytes() == b"half a checkpoint"
 
 
 def test_corrupt_metrics_file_is_ignored_with_a_warning(tmp_path):
@@ -635,24 +823,26 @@ def test_stored_metrics_that_best_fn_cannot_score_do_not_lock_the_folder(tmp_pat
         assert m.restore() == {"a": 2}
 
 
-@pytest.mark.parametrize("kind", ["file", "symlink"])
-def test_pending_name_taken_by_a_file_or_link(tmp_path, kind):
-    with utils.CheckpointManager(tmp_path) as m:
-        m.save(1, {"a": 1})
-    pending = tmp_path / PENDING
-    os.rmdir(pending)
-    elsewhere = tmp_path.parent / (tmp_path.name + "-elsewhere")
-    elsewhere.mkdir()
-    (elsewhere / "keep.txt").write_text("mine")
-    if kind == "file":
-        pending.write_text("x")
+@pytest.mark.parametrize("kind", ["dangling symlink", "symlink", "fifo"])
+def test_lock_file_must_be_a_regular_file(tmp_path, kind):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    lock = folder / ".coax_utils-lock"
+    target = tmp_path / "target"
+    if kind == "fifo":
+        os.mkfifo(lock)
     else:
-        pending.symlink_to(elsewhere, target_is_directory=True)
-    with utils.CheckpointManager(tmp_path) as m:
-        assert pending.is_dir() and not pending.is_symlink()
-        m.save(2, {"a": 2})
-        assert m.restore() == {"a": 2}
-    assert (elsewhere / "keep.txt").read_text() == "mine"  # the link's target is untouched
+        if kind == "symlink":
+            target.write_bytes(b"someone's file")
+        lock.symlink_to(target)
+    with pytest.raises(ValueError, match="lock file"):
+        utils.CheckpointManager(folder)
+    # the link was not followed: nothing created or changed where it points
+    if kind == "dangling symlink":
+        assert not target.exists()
+    elif kind == "symlink":
+        assert target.read_bytes() == b"someone's file"
+    assert os.listdir(folder) == [".coax_utils-lock"]
 
 
 def test_restore_skips_a_newest_checkpoint_removed_from_the_folder(tmp_path):
@@ -661,12 +851,16 @@ def test_restore_skips_a_newest_checkpoint_removed_from_the_folder(tmp_path):
         m.save(2, {"a": 2}, metrics={"r": 2.0})
         m.wait()
         os.unlink(tmp_path / ckpt(2))
-        with pytest.warns(RuntimeWarning, match=ckpt(2)):
+        with pytest.warns(RuntimeWarning, match="step 2: its file is gone"):
             assert m.restore() == {"a": 1}
         assert m.all_steps() == [1] and m.best_step() == 1
-        assert not (tmp_path / metrics_file(2)).exists()
-        m.save(2, {"a": 22})
+        m.save(2, {"a": 22})  # without metrics: the old metrics of step 2 do not count
+        m.wait()
         assert m.restore() == {"a": 22}
+        assert m.best_step() == 1
+    assert not (tmp_path / metrics_file(2)).exists()
+    with utils.CheckpointManager(tmp_path, best_fn=lambda m: m["r"]) as m:
+        assert m.all_steps() == [1, 2] and m.best_step() == 1
 
 
 def test_folders_with_metrics_names_are_foreign(tmp_path):

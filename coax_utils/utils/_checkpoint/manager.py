@@ -4,24 +4,20 @@ Layout of a managed folder::
 
     ckpt_000000001000.pkl.lz4            the checkpoint of step 1000 (written with ``dump``)
     ckpt_000000001000.metrics.pkl.lz4    its metrics, when ``save`` was given some
-    .coax_utils-pending/                 where files are written before they are renamed in
     .coax_utils-lock                     held (``flock``) by the manager that writes here
 
-A step is complete when its checkpoint file is in the folder: ``dump`` writes the file in
-the pending folder (atomically, fsynced), and only then is it renamed into the folder. The
-metrics file of a step is renamed in before its checkpoint, so a complete step always has
-its metrics; a metrics file without a checkpoint is left over from a killed save and is
-removed by the next manager, together with everything in the pending folder.
+Both files of a step are written with ``dump`` (temp file in the folder, fsync, rename, folder
+fsync), the metrics first: a step is complete when its checkpoint file exists, and it then has
+its metrics. A new manager removes what killed saves left (temp files of dead writers, metrics
+without a checkpoint); a ``.coax_utils-pending`` folder of older versions is ignored.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import numbers
 import os
 import re
-import shutil
 import threading
 import warnings
 import weakref
@@ -31,6 +27,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from coax_utils._checks import check_choice, check_finite_number, check_int
+from coax_utils._files import lock_file, remove_stale_temps
+from coax_utils.utils._checkpoint.errors import CheckpointDamagedError
 from coax_utils.utils._checkpoint.io import dump, load
 
 __all__ = ["CheckpointManager"]
@@ -41,35 +40,23 @@ _MAX_STEP = 10**_DIGITS - 1
 # manager writes never contain
 _CHECKPOINT = re.compile(rf"ckpt_([0-9]{{{_DIGITS}}})\.pkl\.lz4")
 _METRICS = re.compile(rf"ckpt_([0-9]{{{_DIGITS}}})\.metrics\.pkl\.lz4")
-_PENDING = ".coax_utils-pending"
 _LOCK = ".coax_utils-lock"
 _ALIGN = 64  # the alignment jax needs to adopt host memory without a copy
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
-def _checkpoint_name(step: int) -> str:
-    return f"ckpt_{step:0{_DIGITS}d}.pkl.lz4"
-
-
-def _metrics_name(step: int) -> str:
-    return f"ckpt_{step:0{_DIGITS}d}.metrics.pkl.lz4"
+def _name(step: int, kind: str = "") -> str:
+    return f"ckpt_{step:0{_DIGITS}d}{kind}.pkl.lz4"
 
 
 def _check_count(value: Any, name: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be None or an int >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
-    return int(value)
+    return None if value is None else check_int(value, name, low=1)
 
 
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
-        raise TypeError(f"step must be a non-negative int, got {step!r}")
-    if not 0 <= step <= _MAX_STEP:
-        raise ValueError(f"step must be an int in [0, {_MAX_STEP}], got {step!r}")
-    return int(step)
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
 
 
 def _check_metrics(metrics: Any) -> dict[str, bool | int | float | str] | None:
@@ -82,30 +69,17 @@ def _check_metrics(metrics: Any) -> dict[str, bool | int | float | str] | None:
     for key, value in metrics.items():
         if not isinstance(key, str):
             raise TypeError(f"metrics keys must be str, got {key!r}")
-        if isinstance(value, str):
-            plain[key] = value
-            continue
-        arr = (
-            np.asarray(value)
-            if isinstance(value, (numbers.Number, np.generic, np.ndarray, jax.Array))
-            else None
-        )
-        if arr is None or arr.ndim != 0 or arr.dtype.kind not in "biuf":
-            raise TypeError(
-                f"metrics[{key!r}] must be a str or a real scalar (bool, int, float, or a "
-                f"0-d numpy/jax array of such), got {value!r}"
-            )
-        plain[key] = arr.item()
+        if not isinstance(value, str):
+            number = isinstance(value, (numbers.Number, np.generic, np.ndarray, jax.Array))
+            arr = np.asarray(value) if number else None
+            if arr is None or arr.ndim != 0 or arr.dtype.kind not in "biuf":
+                raise TypeError(
+                    f"metrics[{key!r}] must be a str or a real scalar (bool, int, float, or "
+                    f"a 0-d numpy/jax array of such), got {value!r}"
+                )
+            value = arr.item()
+        plain[key] = value
     return plain
-
-
-def _fsync_folder(path: str) -> None:
-    if os.name != "nt":  # Windows cannot open a folder for fsync
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _unlink(path: str) -> None:
@@ -117,25 +91,6 @@ def _unlink(path: str) -> None:
     except OSError:
         if os.path.islink(path) or not os.path.isdir(path):
             raise
-
-
-def _lock_folder(path: str) -> int | None:
-    """Take the folder's writer lock (``flock``; the kernel drops it when the process dies)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): one writer per folder is left to the user
-        return None
-    lock_path = os.path.join(path, _LOCK)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RuntimeError(
-            f"{path!r} is in use by another CheckpointManager (it holds {lock_path!r}); "
-            f"close that one first"
-        ) from None
-    return fd
 
 
 def _host_copy(x: jax.Array, host: jax.Device | None) -> jax.Array:
@@ -155,27 +110,59 @@ def _host_copy(x: jax.Array, host: jax.Device | None) -> jax.Array:
     return jax.device_put(out, host, may_alias=True)
 
 
-def _host_snapshot(obj: Any) -> Any:
-    """A copy of ``obj`` that nothing the caller does afterwards can change.
+class _Snapshot:
+    """A copy of an object that nothing the caller does afterwards can change.
 
-    jax arrays among the pytree leaves of ``obj`` are copied to host memory as jax arrays on
-    the CPU device (so they load back as jax arrays), and the copies are waited for: the
-    caller may then donate or delete its buffers. Everything else is deep-copied
-    (:func:`copy.deepcopy`, one memo for the whole object, so shared references stay shared):
-    numpy arrays are copied, containers and stateful objects such as replay buffers are
-    duplicated, functions are kept as they are.
+    One walk with one memo by ``id`` (shared by :func:`copy.deepcopy`, which copies what
+    the walk does not open), so every object is copied once: shared references stay shared
+    and cycles close. Lists and dicts are opened here, and so is every pytree node (tuples,
+    NamedTuples such as optax states, registered dataclasses), one level at a time; jax
+    arrays are copied to host memory as jax arrays on the CPU device and waited for.
     """
-    arrays = [x for x in jax.tree_util.tree_leaves(obj) if isinstance(x, jax.Array)]
-    try:
-        host = jax.devices("cpu")[0]
-    except RuntimeError:  # no CPU backend in this process: copy on the array's own device
-        host = None
-    memo: dict[int, Any] = {}
-    for x in arrays:
-        if id(x) not in memo:  # the same array twice: one copy
-            memo[id(x)] = _host_copy(x, host)
-    jax.block_until_ready(list(memo.values()))
-    return copy.deepcopy(obj, memo)
+
+    def __init__(self) -> None:
+        try:
+            self._host: jax.Device | None = jax.devices("cpu")[0]
+        except RuntimeError:  # no CPU backend in this process: copy on the array's own device
+            self._host = None
+        self._memo: dict[int, Any] = {}
+        # the originals stay alive until the walk ends, so no id is reused (as in deepcopy)
+        self._keep: list[Any] = []
+        self._memo[id(self._memo)] = self._keep
+        self._arrays: list[jax.Array] = []
+
+    def take(self, obj: Any) -> Any:
+        out = self._copy(obj)
+        jax.block_until_ready(self._arrays)
+        return out
+
+    def _copy(self, x: Any) -> Any:
+        t = type(x)
+        if t in _ATOMS:
+            return x
+        if id(x) in self._memo:
+            return self._memo[id(x)]
+        if isinstance(x, jax.Array):
+            y = _host_copy(x, self._host)
+            self._arrays.append(y)
+        elif t is list:  # in the memo before its items: a list may hold itself
+            y = self._memo[id(x)] = []
+            y.extend(x if _ATOMS.issuperset(map(type, x)) else map(self._copy, x))
+        elif t is dict:  # opened here, not as a pytree: jax would sort the keys
+            y = self._memo[id(x)] = {}
+            for key, value in x.items():
+                y[self._copy(key)] = self._copy(value)
+        else:
+            children, node = jax.tree_util.tree_flatten(x, is_leaf=lambda c: c is not x)
+            if node.num_nodes == 1 and node.num_leaves == 1:  # not a pytree node
+                return copy.deepcopy(x, self._memo)
+            children = [self._copy(c) for c in children]
+            if id(x) in self._memo:  # a cycle through x's children copied x already
+                return self._memo[id(x)]
+            y = node.unflatten(children)
+        self._memo[id(x)] = y
+        self._keep.append(x)
+        return y
 
 
 class _Writer:
@@ -186,18 +173,16 @@ class _Writer:
         self._error: BaseException | None = None
 
     def start(self, job: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                job()
+            except BaseException as err:  # kept for the caller's next save/wait/close
+                self._error = err
+
         self.wait()
         # not a daemon: at interpreter exit Python waits for the job to finish
-        self._thread = threading.Thread(
-            target=self._run, args=(job,), name="coax_utils-checkpoint-writer", daemon=False
-        )
+        self._thread = threading.Thread(target=run, name="coax_utils-checkpoint-writer")
         self._thread.start()
-
-    def _run(self, job: Callable[[], None]) -> None:
-        try:
-            job()
-        except BaseException as err:  # kept for the caller's next save/wait/close
-            self._error = err
 
     def wait(self) -> None:
         if self._thread is not None:
@@ -208,45 +193,39 @@ class _Writer:
             raise err
 
 
-def _finish(writer: _Writer, lock_fd: int | None) -> None:
+def _finish(writer: _Writer, lock_fd: int) -> None:
     """Finish the pending save, then release the folder (close() and interpreter exit)."""
     try:
         writer.wait()
     finally:
-        if lock_fd is not None:
-            os.close(lock_fd)
+        os.close(lock_fd)
 
 
 class CheckpointManager:
     """Numbered checkpoints of a training run in one folder: background saves, retention,
-    and restore of the newest checkpoint that loads.
+    and restore of the newest checkpoint.
 
     Every :meth:`save` writes one file, ``ckpt_<step, 12 digits>.pkl.lz4``, with
     :func:`dump` (atomic, checksummed), so that ``ls`` lists the checkpoints in step order.
     See :doc:`/checkpoint_manager` for a walk-through.
 
-    **Background saves** (``background=True``): :meth:`save` returns as soon as the state
-    is copied (jax arrays among the pytree leaves fetched to host memory, everything else
-    deep-copied with :func:`copy.deepcopy`: numpy arrays, containers, replay buffers and
-    other stateful objects), so the training loop may overwrite, mutate or donate its
-    buffers right away; compression and writing run on a background thread. The copy needs
-    as much host memory as the state. A ``save`` while the previous one still runs waits for
-    it (there is never more than one writer), and an error raised in the background is
-    raised by the next :meth:`save`, :meth:`wait`, :meth:`restore` or :meth:`close`. At
-    interpreter exit Python waits for a pending save to finish; an error it raises there is
-    printed. Objects that :func:`copy.deepcopy` cannot copy need ``background=False``.
+    **Background saves** (``background=True``): :meth:`save` returns once the state is
+    copied (jax arrays to host memory, the rest as by :func:`copy.deepcopy`, each object
+    once: shared references and cycles are kept); the training loop may then mutate or
+    donate its buffers, while compression and writing run on a background thread. There is
+    never more than one writer, and a background error is raised by the next :meth:`save`,
+    :meth:`wait`, :meth:`restore` or :meth:`close` (printed if the interpreter exits first).
 
     **Retention**: after each save has completed, the manager keeps the newest
-    ``max_to_keep`` checkpoints, the oldest checkpoint in each window of
-    ``keep_every_n_steps`` steps (``[0, n)``, ``[n, 2n)``, ...: with saves at multiples of
-    ``n``, exactly those), and the best one by ``best_fn(metrics)``, and deletes the
-    others. A checkpoint is deleted only after the new one is complete, so a process killed
-    at any moment leaves every checkpoint that had completed loadable.
+    ``max_to_keep`` checkpoints, the oldest one in each window of ``keep_every_n_steps``
+    steps (``[0, n)``, ``[n, 2n)``, ...) and the best one by ``best_fn(metrics)``, and
+    deletes the others; a process killed at any moment leaves every completed step.
 
-    **Restart**: a new manager on the folder removes what a killed save left unfinished and
-    finds the steps that completed, with their metrics (stored atomically next to each
-    checkpoint, so ``best_fn`` ranks them as before). Only one manager may write to a folder
-    at a time (an OS file lock, released when its process ends).
+    **Resume**: ``if manager.latest_step() is not None: state = manager.restore()``. A new
+    manager on the folder finds the completed steps and their metrics; :meth:`restore`
+    never deletes, renames or forgets a checkpoint on its own, and raises rather than go
+    back silently (see there). One manager at a time writes to a folder (an OS file lock,
+    released when its process ends).
 
     Parameters
     ----------
@@ -271,7 +250,8 @@ class CheckpointManager:
     TypeError
         If an argument has the wrong type.
     ValueError
-        If an argument has a wrong value, or ``directory`` exists and is not a folder.
+        If an argument has a wrong value, ``directory`` exists and is not a folder, or its
+        lock file ``.coax_utils-lock`` is a symbolic link or not a regular file.
     RuntimeError
         If another manager (in this process or another) writes to ``directory``.
 
@@ -287,7 +267,9 @@ class CheckpointManager:
     >>> manager = utils.CheckpointManager(folder)  # e.g. in a restarted process
     >>> manager.all_steps()
     [300, 400]
-    >>> manager.restore()['w']
+    >>> if manager.latest_step() is not None:
+    ...     state = manager.restore()
+    >>> state['w']
     array([400, 400, 400])
     >>> manager.close()
     """
@@ -309,28 +291,26 @@ class CheckpointManager:
         self._keep_every = _check_count(keep_every_n_steps, "keep_every_n_steps")
         if best_fn is not None and not callable(best_fn):
             raise TypeError(f"best_fn must be None or callable, got {best_fn!r}")
-        if not isinstance(best_mode, str):
-            raise TypeError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
-        if best_mode not in ("max", "min"):
-            raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
-        if not isinstance(background, bool):
-            raise TypeError(f"background must be a bool, got {background!r}")
+        self._best_fn = best_fn
+        self._best_mode = check_choice(best_mode, "best_mode", ("max", "min"))
+        self._background = _check_bool(background, "background")
         path = os.path.abspath(os.fspath(directory))
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"directory {path!r} exists and is not a folder")
-        self._best_fn = best_fn
-        self._best_mode = best_mode
-        self._background = background
         self._directory = path
-        self._pending = os.path.join(path, _PENDING)
 
         os.makedirs(path, exist_ok=True)
-        lock_fd = _lock_folder(path)
+        try:
+            lock_fd = lock_file(self._path(_LOCK), blocking=False)
+        except BlockingIOError:
+            raise RuntimeError(
+                f"{path!r} is in use by another CheckpointManager (it holds "
+                f"{self._path(_LOCK)!r}); close that one first"
+            ) from None
         try:
             self._scores = self._scan()
         except BaseException:
-            if lock_fd is not None:
-                os.close(lock_fd)
+            os.close(lock_fd)
             raise
         self._records_lock = threading.Lock()
         self._writer = _Writer()
@@ -342,44 +322,28 @@ class CheckpointManager:
         return os.path.join(self._directory, name)
 
     def _scan(self) -> dict[int, float | None]:
-        """Clean up after killed saves; return {complete step: score}."""
-        if os.path.islink(self._pending) or not os.path.isdir(self._pending):
-            _unlink(self._pending)  # a file or a link in the manager's place: only it goes
-        else:
-            shutil.rmtree(self._pending, ignore_errors=True)
-        os.makedirs(self._pending, exist_ok=True)
+        """Remove what killed saves left; return {complete step: score}."""
+        remove_stale_temps(self._directory)
         names = os.listdir(self._directory)
-        steps = {
-            int(m.group(1))
-            for m in map(_CHECKPOINT.fullmatch, names)
-            if m and os.path.isfile(self._path(m.group(0)))
-        }
-        scores: dict[int, float | None] = {step: None for step in steps}
-        for m in filter(None, map(_METRICS.fullmatch, names)):
-            if not os.path.isfile(self._path(m.group(0))):  # e.g. a folder: not the manager's
-                continue
-            step = int(m.group(1))
-            if step not in steps:  # a save was killed between the metrics and the checkpoint
-                _unlink(self._path(m.group(0)))
-                continue
-            try:
-                metrics = _check_metrics(load(self._path(m.group(0)), safe=True))
-            except (ValueError, TypeError) as err:
-                warnings.warn(
-                    f"ignoring the metrics of step {step}: {self._path(m.group(0))!r} does "
-                    f"not hold a metrics dict ({err})",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+
+        def files(pattern: re.Pattern[str]) -> dict[int, str]:  # folders are not the manager's
+            found = filter(None, map(pattern.fullmatch, names))
+            paths = {int(m[1]): self._path(m[0]) for m in found}
+            return {step: path for step, path in paths.items() if os.path.isfile(path)}
+
+        scores: dict[int, float | None] = dict.fromkeys(files(_CHECKPOINT))
+        for step, path in files(_METRICS).items():
+            if step not in scores:  # a save was killed between the metrics and the checkpoint
+                _unlink(path)
                 continue
             try:
                 # metrics from disk may predate this best_fn (a missing key, a NaN): such a
                 # step has no score, and the folder still opens
-                scores[step] = self._score(metrics, step)
+                scores[step] = self._score(_check_metrics(load(path, safe=True)), step)
             except Exception as err:
                 warnings.warn(
-                    f"step {step} has no score: best_fn failed on its stored metrics "
-                    f"{metrics!r} ({type(err).__name__}: {err})",
+                    f"step {step} has no score: its metrics {path!r} do not load or best_fn "
+                    f"fails on them ({type(err).__name__}: {err})",
                     RuntimeWarning,
                     stacklevel=3,
                 )
@@ -389,12 +353,7 @@ class CheckpointManager:
         if self._best_fn is None or metrics is None:
             return None
         value = self._best_fn(dict(metrics))
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-            raise TypeError(f"best_fn must return a real number, got {value!r} for step {step}")
-        if not math.isfinite(value):
-            raise ValueError(
-                f"best_fn returned {value!r} for step {step}; expected a finite number"
-            )
+        check_finite_number(value, f"the score best_fn returned for step {step}")
         return float(value)
 
     def _retained(self, scores: dict[int, float | None]) -> set[int]:
@@ -418,34 +377,27 @@ class CheckpointManager:
     def _write(
         self, step: int, obj: Any, metrics: dict[str, Any] | None, score: float | None
     ) -> None:
-        """Write and commit one step (metrics first), then apply the retention rules."""
-        files = [(obj, _checkpoint_name(step))]
+        """Write one step (metrics first, then the checkpoint), then apply retention."""
+        metrics_path = self._path(_name(step, ".metrics"))
         if metrics is not None:
-            files.insert(0, (metrics, _metrics_name(step)))
+            dump(metrics, metrics_path)
+        else:  # the metrics of an earlier step of this number, removed behind our back
+            _unlink(metrics_path)
         try:
-            for item, name in files:
-                dump(item, os.path.join(self._pending, name))
-            for _, name in files:
-                os.replace(os.path.join(self._pending, name), self._path(name))
-        finally:  # after a failure: nothing of this step stays in the pending folder
-            for _, name in files:
-                _unlink(os.path.join(self._pending, name))
-        _fsync_folder(self._directory)
+            dump(obj, self._path(_name(step)))
+        except BaseException:  # no metrics of a step that is not there
+            _unlink(metrics_path)
+            raise
         with self._records_lock:
             self._scores[step] = score
             dropped = sorted(set(self._scores) - self._retained(self._scores))
             for old in dropped:
                 del self._scores[old]
-        for old in dropped:
-            self._delete(old)
-
-    def _delete(self, step: int) -> None:
-        _unlink(self._path(_checkpoint_name(step)))  # the checkpoint first: no orphan step
-        _unlink(self._path(_metrics_name(step)))
+        for old in dropped:  # the checkpoint first: no step without its metrics
+            _unlink(self._path(_name(old)))
+            _unlink(self._path(_name(old, ".metrics")))
 
     def _forget(self, step: int) -> None:
-        """Drop a step whose checkpoint is gone or moved aside (its metrics file too)."""
-        _unlink(self._path(_metrics_name(step)))
         with self._records_lock:
             del self._scores[step]
 
@@ -490,7 +442,7 @@ class CheckpointManager:
             Whatever the previous background save raised (this save is then not made).
         """
         self._check_open()
-        step = _check_step(step)
+        step = check_int(step, "step", 0, _MAX_STEP)
         metrics = _check_metrics(metrics)
         score = self._score(metrics, step)
         self._writer.wait()  # never two writers; raises the previous save's error
@@ -498,28 +450,33 @@ class CheckpointManager:
         if newest is not None and step <= newest:
             raise ValueError(f"step {step} is not after the newest saved step {newest}")
         if self._background:
-            snapshot = _host_snapshot(obj)
+            snapshot = _Snapshot().take(obj)
             self._writer.start(lambda: self._write(step, snapshot, metrics, score))
         else:
             self._write(step, obj, metrics, score)
 
-    def restore(self, step: int | None = None, safe: bool = False) -> Any:
+    def restore(self, step: int | None = None, safe: bool = False, quarantine: bool = False) -> Any:
         """Load a checkpoint (after waiting for a pending save).
+
+        What happens when :func:`load` fails depends on why:
+
+        - :class:`CheckpointNotReadableError` (intact, but not readable by this process: a
+          type not registered, 64-bit arrays with ``jax_enable_x64`` off, a pickle section
+          with ``safe=True``, a newer format) and any error but the next: raised at once,
+          nothing touched. Fix the set-up and call ``restore`` again.
+        - :class:`CheckpointDamagedError` (damaged or forged): with ``step=None``, the next
+          older step is tried, with a :class:`RuntimeWarning` naming the step and the
+          reason. The file and its step stay, unless ``quarantine=True``.
 
         Parameters
         ----------
         step : int or None, optional
-            The step to load; ``None`` loads the newest checkpoint that loads. A newer
-            checkpoint that does not load (truncated or corrupted: :func:`load` raises
-            ``ValueError``) is skipped with a :class:`RuntimeWarning` naming the file; with
-            ``safe=False`` it is also renamed to ``<name>.corrupt`` and leaves the manager's
-            steps, so that training can go on from the restored step (where that name is
-            taken, e.g. by a folder, it is left in place). With ``safe=True`` a
-            refusal cannot be told from corruption, and the file is left in place. A
-            checkpoint file removed from the folder since the manager listed it is skipped
-            the same way (with a warning) and leaves the manager's steps.
+            The step to load; ``None``: the newest step whose checkpoint is not damaged.
         safe : bool, optional
             Passed to :func:`load`: ``True`` never unpickles.
+        quarantine : bool, optional
+            Rename each damaged checkpoint skipped to ``<name>.corrupt`` and drop its step,
+            so that training can go on and save the steps after the restored one.
 
         Returns
         -------
@@ -529,48 +486,56 @@ class CheckpointManager:
         Raises
         ------
         FileNotFoundError
-            If there is no checkpoint of ``step``, or (``step=None``) none that loads.
+            If there is no checkpoint of ``step``, or none at all.
+        CheckpointNotReadableError
+            If the checkpoint tried cannot be read by this process (nothing is touched).
+        CheckpointDamagedError
+            If the checkpoint of ``step``, or (``step=None``) every checkpoint, is damaged.
         ValueError
-            If the checkpoint of an explicit ``step`` does not load, or the manager is
-            closed.
+            If the manager is closed.
         """
         self._check_open()
         if step is not None:
-            step = _check_step(step)
-        if not isinstance(safe, bool):
-            raise TypeError(f"safe must be a bool, got {safe!r}")
+            step = check_int(step, "step", 0, _MAX_STEP)
+        safe = _check_bool(safe, "safe")
+        quarantine = _check_bool(quarantine, "quarantine")
         self._writer.wait()
+        steps = self.all_steps()
+        if not steps or (step is not None and step not in steps):
+            which = "any step" if step is None else f"step {step}"
+            raise FileNotFoundError(
+                f"no checkpoint of {which} in {self._directory!r}; steps: {steps}"
+            )
         if step is not None:
-            if step not in self.all_steps():
-                raise FileNotFoundError(
-                    f"no checkpoint of step {step} in {self._directory!r}; steps: "
-                    f"{self.all_steps()}"
-                )
-            return load(self._path(_checkpoint_name(step)), safe=safe)
-        for candidate in reversed(self.all_steps()):
-            path = self._path(_checkpoint_name(candidate))
+            return load(self._path(_name(step)), safe=safe)
+        damaged = None
+        for candidate in reversed(steps):
+            path = self._path(_name(candidate))
             try:
                 return load(path, safe=safe)
             except FileNotFoundError as err:  # removed behind the manager's back
                 self._forget(candidate)
-                action, error = "it is gone", err
-            except ValueError as err:
-                action, error = "left in place", err
-                if not safe:
+                reason: str = f"its file is gone ({err})"
+            except CheckpointDamagedError as err:
+                damaged, reason = err, f"it is damaged ({err}); the file is left in place"
+                if quarantine:
                     try:
                         os.replace(path, path + ".corrupt")
                     except OSError as rename_error:  # e.g. a folder holds that name
-                        action = f"left in place, as it could not be renamed: {rename_error}"
+                        reason += f", as it could not be renamed ({rename_error})"
                     else:
                         self._forget(candidate)
-                        action = f"renamed to {os.path.basename(path)}.corrupt"
+                        reason = f"it is damaged ({err}); renamed to {path + '.corrupt'!r}"
             warnings.warn(
-                f"skipping checkpoint {path!r} (step {candidate}), which does not load "
-                f"({action}): {error}",
+                f"not restoring step {candidate}: {reason}; trying an older step",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        raise FileNotFoundError(f"no checkpoint in {self._directory!r} loads")
+        if damaged is None:
+            raise FileNotFoundError(f"every checkpoint of {self._directory!r} is gone")
+        raise CheckpointDamagedError(
+            f"no checkpoint in {self._directory!r} loads: steps {steps} are damaged or gone"
+        ) from damaged
 
     def latest_step(self) -> int | None:
         """The newest complete step, or ``None``; a save still running is not counted."""
