@@ -77,7 +77,7 @@ from coax_utils.utils._checkpoint.io import loads
 from coax_utils.utils._checkpoint.errors import CheckpointDamagedError
 from coax_utils.utils._checkpoint.errors import CheckpointNotReadableError
 from coax_utils.utils._checkpoint.errors import UnsafeCheckpointError
-from coax_utils.utils._checkpoint.tree import register_checkpoint_type
+from coax_utils.utils._checkpoint.registry import register_checkpoint_type
 from coax_utils.utils._checkpoint.manager import CheckpointManager
 # -- environments and GIFs -----------------------------------------------------------------
 from coax_utils.utils._envs import check_preprocessors

@@ -24,7 +24,6 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-import cloudpickle
 import jax
 import numpy as np
 
@@ -42,17 +41,12 @@ from coax_utils.utils._checkpoint.container import (
     read_segments,
     write_container,
 )
+from coax_utils.utils._checkpoint.decoder import Decoder, jax_array, segments_to_read
+from coax_utils.utils._checkpoint.encoder import Encoder
 from coax_utils.utils._checkpoint.errors import (
     CheckpointDamagedError,
     CheckpointNotReadableError,
     UnsafeCheckpointError,
-)
-from coax_utils.utils._checkpoint.tree import (
-    SMALL,
-    Decoder,
-    Encoder,
-    jax_array,
-    segments_to_read,
 )
 
 __all__ = ["dump", "dumps", "load", "loads"]
@@ -98,34 +92,12 @@ def _segments(obj: Any) -> list[list[memoryview]]:
     tree = encoder.encode(obj)
     pickled = b""
     if encoder.pickled:
-        pickled, tree["pickle_buffers"] = _pickle(encoder)
+        pickled, tree["pickle_buffers"] = encoder.pickle_section()
     structure = json.dumps(tree, separators=(",", ":")).encode()
     segments = encoder.segments
     segments[_STRUCTURE] = [memoryview(structure)]
     segments[_PICKLES] = [memoryview(pickled)]
     return segments
-
-
-def _pickle(encoder: Encoder) -> tuple[bytes, list[int]]:
-    """The pickle section of ``encoder``'s objects, and the buffers it refers to.
-
-    Large contiguous buffers (the memory of numpy arrays held by the pickled objects) go
-    out of band (pickle protocol 5): each becomes a buffer of the data tree, compressed in
-    chunks like the arrays of the tree, so neither the dump nor the load copies it whole.
-    """
-    out_of_band: list[int] = []
-
-    def in_band(buffer: pickle.PickleBuffer) -> bool:
-        try:
-            raw = buffer.raw()
-        except BufferError:  # not contiguous: the pickle holds a copy
-            return True
-        if raw.nbytes < SMALL:
-            return True
-        out_of_band.append(encoder.add_buffer(raw))
-        return False
-
-    return cloudpickle.dumps(encoder.pickled, protocol=5, buffer_callback=in_band), out_of_band
 
 
 _META = {"format": "coax_utils checkpoint", "coax_utils": __version__}
@@ -197,9 +169,7 @@ def _load_v2(data: Any, container: Any, safe: bool, source: str) -> Any:
     if isinstance(structure, dict) and "pickle_buffers" in structure and not sizes[_PICKLES]:
         raise Corrupt("the structure names buffers of a pickle section the file does not have")
     segments = read_segments(data, container, segments_to_read(structure, sizes))
-    # references may stand for 16 nodes per byte of structure (1M at least): far more than
-    # honest sharing needs, far less than a forged tree of references doubling at each level
-    decoder = Decoder(structure, segments, None, budget=16 * raw.nbytes + (1 << 20))
+    decoder = Decoder(structure, raw.nbytes, segments, None)
     del segments  # the decoder hands each large buffer to its owner and drops it
     if not safe:
         decoder.pickled = []
