@@ -107,8 +107,12 @@ def random_state_from_state(state: Any) -> np.random.RandomState:
         raise ValueError("RandomState state must use MT19937")
     _check_mt(mt, "MT19937")
     _check_int(state["has_gauss"], 0, 2, "RandomState has_gauss")
-    if type(state["gauss"]) is not float:
-        raise ValueError("RandomState gauss must be a float")
+    # the cached second value of the polar method: finite, and below 13 in size (its
+    # radius term is at most sqrt(-2 ln 2**-106)); a NaN would be the next normal draw
+    if type(state["gauss"]) is not float or not abs(state["gauss"]) < 64:
+        raise ValueError(
+            f"RandomState gauss must be a finite float of a normal draw, got {state['gauss']!r}"
+        )
     rs = np.random.RandomState(0)
     rs.set_state(state)
     return rs

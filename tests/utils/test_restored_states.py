@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -138,3 +139,25 @@ def test_a_reducer_name_never_imports_a_module():
         [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_a_random_state_whose_cached_gaussian_is_not_a_normal_draw_is_refused():
+    rs = np.random.RandomState(3)
+    rs.standard_normal()  # one value of the pair drawn, the other cached
+    state = rs.get_state(legacy=False)
+    assert state["has_gauss"] == 1
+    again = random_state_from_state(copy.deepcopy(state))
+    assert again.standard_normal() == rs.standard_normal()
+    for bad in (float("nan"), float("inf"), -float("inf"), 1e300):
+        with pytest.raises(ValueError, match="gauss must be a finite float"):
+            random_state_from_state({**state, "gauss": bad})
+    # through a checkpoint: the file is damaged, nothing draws a NaN
+    source = _ckpt_container.MemorySource(memoryview(utils.dumps({"rng": rs})))
+    container = _ckpt_container.parse(source, 2)
+    segments = _ckpt_container.read_segments(source, container, [0, 1, 2])
+    structure = re.sub(rb'\["gauss",[^\]]*\]', b'["gauss",NaN]', segments[0].tobytes())
+    assert structure != segments[0].tobytes()
+    parts = [structure, segments[1].tobytes(), segments[2].tobytes()]
+    forged = _ckpt_container.container_bytes(2, {}, [[memoryview(p)] for p in parts], 1)
+    with pytest.raises(utils.CheckpointDamagedError, match="gauss"):
+        utils.loads(forged, safe=True)
