@@ -25,7 +25,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import lz4.block
 import lz4.frame
@@ -337,19 +337,14 @@ class FileSource:
             got += k
 
 
-class Container:
-    """What :func:`parse` found: version, meta, chunk size and where every chunk lies."""
+class Container(NamedTuple):
+    """What :func:`parse` found: version, meta, chunk size, and per segment its size and
+    where each chunk lies: ``(offset, stored size, crc32, codec, raw size)``."""
 
-    def __init__(self, version: int, meta: dict, chunk_size: int, segments: list) -> None:
-        self.version, self.meta, self.chunk_size, self.segments = (
-            version,
-            meta,
-            chunk_size,
-            segments,
-        )
-
-    def segment_size(self, i: int) -> int:
-        return self.segments[i][0]
+    version: int
+    meta: dict
+    chunk_size: int
+    segments: list
 
 
 def _int(x: Any, what: str, lo: int = 0, hi: int = 1 << 63) -> int:

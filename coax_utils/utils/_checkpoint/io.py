@@ -1,12 +1,12 @@
 """Checkpoints: ``dump``, ``dumps``, ``load`` and ``loads``.
 
-A checkpoint (format version 2) is a container of byte segments (see ``_ckpt_container``):
+A checkpoint (format version 2) is a container of byte segments (see ``container``):
 
-- segment 0: the structure of the object, as JSON (see ``_ckpt_tree`` for its nodes), stored
+- segment 0: the structure of the object, as JSON (see ``decoder`` for its nodes), stored
   uncompressed (parsing a compressed one could take thousands of times the file's size);
 - segment 1: the pickle section, a cloudpickle of the objects that are not plain data
-  (functions, foreign classes), empty when there are none; its large buffers (numpy
-  arrays' memory) are out of band, buffers of the data tree listed in ``pickle_buffers``;
+  (functions, foreign classes, cycles), empty when there are none; its large buffers are
+  out of band, buffers of the data tree listed in ``pickle_buffers``;
 - segment 2: the small array buffers, one after the other;
 - segments 3, 4, ...: one large array buffer each.
 
@@ -21,7 +21,6 @@ import io
 import json
 import os
 import pickle
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -52,30 +51,27 @@ from coax_utils.utils._checkpoint.errors import (
 __all__ = ["dump", "dumps", "load", "loads"]
 
 FORMAT_VERSION = 2
+_META = {"format": "coax_utils checkpoint", "coax_utils": __version__}
 _STRUCTURE, _PICKLES = 0, 1
+_LOAD_ERRORS = (Corrupt, ValueError, TypeError, LookupError, ArithmeticError, AttributeError)
 
 
 # -- format version 1 (read with safe=False only; its pickles name these three functions) ---
 
 
-def _array_from_payload(buf: Any, dtype: Any, shape: Any, order: str) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    shape = tuple(int(n) for n in shape)
+def _rebuild_ndarray(buf: Any, dtype: Any, shape: Any, order: str) -> np.ndarray:
+    """Rebuild a numpy array of a version-1 file (always writable)."""
+    dtype, shape = np.dtype(dtype), tuple(int(n) for n in shape)
     if buf is None:
         return np.empty(shape, dtype)
     flat = np.frombuffer(buf, dtype=np.uint8).view(dtype)
-    return flat.reshape(shape) if order == "C" else flat.reshape(shape[::-1]).T
-
-
-def _rebuild_ndarray(buf: Any, dtype: Any, shape: Any, order: str) -> np.ndarray:
-    """Rebuild a numpy array of a version-1 file (always writable)."""
-    arr = _array_from_payload(buf, dtype, shape, order)
+    arr = flat.reshape(shape) if order == "C" else flat.reshape(shape[::-1]).T
     return arr if arr.flags.writeable else arr.copy(order="K")
 
 
 def _rebuild_jax_array(buf: Any, dtype: Any, shape: Any, weak_type: bool) -> jax.Array:
     """Rebuild a jax array of a version-1 file (placed on the default device)."""
-    return jax_array(_array_from_payload(buf, dtype, shape, "C"), bool(weak_type))
+    return jax_array(_rebuild_ndarray(buf, dtype, shape, "C"), bool(weak_type))
 
 
 def _rebuild_jax_key(data: Any, impl: str) -> jax.Array:
@@ -83,45 +79,12 @@ def _rebuild_jax_key(data: Any, impl: str) -> jax.Array:
     return jax.random.wrap_key_data(data, impl=str(impl))
 
 
-# -- writing ---------------------------------------------------------------------------------
-
-
-def _segments(obj: Any) -> list[list[memoryview]]:
-    """Encode ``obj``: the container's segments (errors surface before anything is written)."""
-    encoder = Encoder()
-    tree = encoder.encode(obj)
-    pickled = b""
-    if encoder.pickled:
-        pickled, tree["pickle_buffers"] = encoder.pickle_section()
-    structure = json.dumps(tree, separators=(",", ":")).encode()
-    segments = encoder.segments
-    segments[_STRUCTURE] = [memoryview(structure)]
-    segments[_PICKLES] = [memoryview(pickled)]
-    return segments
-
-
-_META = {"format": "coax_utils checkpoint", "coax_utils": __version__}
-
-
-# -- reading ---------------------------------------------------------------------------------
-
-
-def _unsafe(what: str) -> UnsafeCheckpointError:
-    return UnsafeCheckpointError(
-        f"it holds {what}, which only unpickling can restore, and safe=True never unpickles. "
-        "Load it with safe=False only if you trust its source; to get a file that safe mode "
-        "reads, load it once that way and dump it again (classes of your own that hold plain "
-        "data can be registered with coax_utils.utils.register_checkpoint_type)"
-    )
-
-
 class _OldUnpickler(pickle.Unpickler):
     """Unpickles files of format version 1 and coax's files (``safe=False`` only).
 
-    The stateful classes of coax_utils 0.1 (replay buffers, segment trees, noise, tracers,
-    schedules) were pickled with their attributes; their state is now checked and rebuilt
-    by ``__checkpoint_restore__``, which those attributes do not fit. Rather than build a
-    half-initialised object, such a file is refused with a clear message.
+    The stateful classes of coax_utils 0.1 were pickled with their attributes, which their
+    checked ``__checkpoint_restore__`` does not take: such a file is refused rather than
+    half built.
     """
 
     def find_class(self, module: str, name: str) -> Any:
@@ -137,10 +100,35 @@ class _OldUnpickler(pickle.Unpickler):
         return obj
 
 
+# -- writing and reading ---------------------------------------------------------------------
+
+
+def _segments(obj: Any) -> list[list[memoryview]]:
+    """Encode ``obj``: the container's segments (errors surface before anything is written)."""
+    encoder = Encoder()
+    tree = encoder.encode(obj)
+    pickled = b""
+    if encoder.pickled:
+        pickled, tree["pickle_buffers"] = encoder.pickle_section()
+    segments = encoder.segments
+    segments[_STRUCTURE] = [memoryview(json.dumps(tree, separators=(",", ":")).encode())]
+    segments[_PICKLES] = [memoryview(pickled)]
+    return segments
+
+
+def _unsafe(what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"it holds {what}, which only unpickling can restore, and safe=True never unpickles. "
+        "Load it with safe=False only if you trust its source. A file that safe mode reads "
+        "holds plain data only: no functions or cycles, and classes of your own registered "
+        "with coax_utils.utils.register_checkpoint_type"
+    )
+
+
 def _unpickle(stream: Any, buffers: list[Any] | None = None, old: bool = False) -> Any:
-    cls = _OldUnpickler if old else pickle.Unpickler
+    unpickler = _OldUnpickler if old else pickle.Unpickler
     try:
-        return cls(io.BytesIO(stream), buffers=buffers).load()
+        return unpickler(io.BytesIO(stream), buffers=buffers).load()
     except (ImportError, AttributeError) as e:  # intact, names what is not installed here
         raise CheckpointNotReadableError(
             f"its pickle section needs something this environment lacks ({e}); install or "
@@ -150,35 +138,34 @@ def _unpickle(stream: Any, buffers: list[Any] | None = None, old: bool = False) 
         raise Corrupt(f"the pickle is damaged ({e})") from None
 
 
-def _load_v2(data: Any, container: Any, safe: bool, source: str) -> Any:
+def _load_v2(data: Any, container: Any, safe: bool) -> Any:
     sizes = [n for n, _ in container.segments]
     if len(sizes) < 3:
         raise Corrupt("fewer segments than a version-2 checkpoint has")
     if any(chunk[3] != RAW for chunk in container.segments[_STRUCTURE][1]):
-        # stored as it is, parsing it takes memory in proportion to the file
         raise Corrupt("the structure is stored compressed")
     raw = read_segments(data, container, [_STRUCTURE])[_STRUCTURE]
     try:
         structure = json.loads(raw.tobytes())
     except (ValueError, RecursionError) as e:
         raise Corrupt(f"the structure is not valid JSON ({e})") from None
+    if type(structure) is not dict:
+        raise Corrupt("the structure is not a checkpoint tree")
     if safe and sizes[_PICKLES]:
-        described = structure.get("pickled") if isinstance(structure, dict) else None
+        described = structure.get("pickled")
         first = described[0] if isinstance(described, list) and described else "?"
-        raise _unsafe(f"an object that is not plain data ({str(first)[:200]!r})")
-    if isinstance(structure, dict) and "pickle_buffers" in structure and not sizes[_PICKLES]:
+        raise _unsafe(f"data that is not plain data: {str(first)[:300]}")
+    if "pickle_buffers" in structure and not sizes[_PICKLES]:
         raise Corrupt("the structure names buffers of a pickle section the file does not have")
     segments = read_segments(data, container, segments_to_read(structure, sizes))
-    decoder = Decoder(structure, raw.nbytes, segments, None)
+    decoder = Decoder(structure, raw.nbytes, segments, None if safe else [])
     del segments  # the decoder hands each large buffer to its owner and drops it
-    if not safe:
-        decoder.pickled = []
-        if sizes[_PICKLES]:
-            stream = read_segments(data, container, [_PICKLES])[_PICKLES]
-            buffers = [pickle.PickleBuffer(b) for b in decoder.pickle_buffers()]  # as dumped
-            decoder.pickled = _unpickle(stream, buffers)
-            if type(decoder.pickled) is not list:
-                raise Corrupt("the pickle section is not a list")
+    if not safe and sizes[_PICKLES]:
+        stream = read_segments(data, container, [_PICKLES])[_PICKLES]
+        buffers = [pickle.PickleBuffer(b) for b in decoder.pickle_buffers()]  # as dumped
+        decoder.pickled = _unpickle(stream, buffers)
+        if type(decoder.pickled) is not list:
+            raise Corrupt("the pickle section is not a list")
     return decoder.decode()
 
 
@@ -189,92 +176,29 @@ def _load_from(data: Any, safe: bool, source: str) -> Any:
                 raise _unsafe("a legacy coax pickle (lz4 frame)")
             return _unpickle(decompress_legacy_frame(data), old=True)
         container = parse(data, FORMAT_VERSION)
-        if container.version == 1:
-            if safe:
-                raise _unsafe("a pickle (format version 1)")
-            n = len(container.segments)
-            segments = read_segments(data, container, list(range(n)))
-            return _unpickle(segments[0], [segments[i] for i in range(1, n)], old=True)
-        return _load_v2(data, container, safe, source)
+        if container.version == 2:
+            return _load_v2(data, container, safe)
+        if safe:
+            raise _unsafe("a pickle (format version 1)")
+        segments = read_segments(data, container, list(range(len(container.segments))))
+        return _unpickle(segments[0], [segments[i] for i in range(1, len(segments))], old=True)
     except CheckpointNotReadableError as e:
         raise type(e)(f"{source} is intact but cannot be read here: {e}") from None
-    except (
-        Corrupt,
-        ValueError,
-        TypeError,
-        LookupError,
-        ArithmeticError,
-        RecursionError,
-        AttributeError,
-    ) as e:
+    except (*_LOAD_ERRORS, RecursionError) as e:
         raise CheckpointDamagedError(
             f"{source} is damaged or forged, not a valid coax_utils checkpoint: {e}. Nothing "
             "in it can be trusted; restore an older checkpoint"
         ) from None
 
 
-_REFERENCES_WARNING = """
+_REFERENCES = """
     .. warning::
 
-        References between objects are only preserved if they are stored as part of a single
-        object, for example:
-
-        .. code-block:: python
-
-            # b has a reference to a
-            a = [13]
-            b = {{'a': a}}
-
-            # references preserved
-            {dump_both}
-            a_new, b_new = {load_both}
-            b_new['a'].append(7)
-            print(b_new)  # {{'a': [13, 7]}}
-            print(a_new)  # [13, 7]         <-- updated
-
-            # references not preserved
-            {dump_a}
-            {dump_b}
-            a_new = {load_a}
-            b_new = {load_b}
-            b_new['a'].append(7)
-            print(b_new)  # {{'a': [13, 7]}}
-            print(a_new)  # [13]            <-- not updated!!
-
-        Therefore, the safest way to create checkpoints is to store the entire state as a
-        single object like a dict or a tuple.
+        References between objects are only preserved within one dumped object: dump the
+        whole state as one dict or tuple (see :doc:`/checkpoints`).
 """
 
 
-def _with_warning(**names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if fn.__doc__:  # None under python -OO
-            text = _REFERENCES_WARNING.format(**names).lstrip("\n")
-            fn.__doc__ = fn.__doc__.replace("    {references}\n", text)
-        return fn
-
-    return decorate
-
-
-_STRINGS = dict(
-    dump_both="s = dumps((a, b))",
-    load_both="loads(s)",
-    dump_a="s_a = dumps(a)",
-    dump_b="s_b = dumps(b)",
-    load_a="loads(s_a)",
-    load_b="loads(s_b)",
-)
-_FILES = dict(
-    dump_both="dump((a, b), 'ab.pkl.lz4')",
-    load_both="load('ab.pkl.lz4')",
-    dump_a="dump(a, 'a.pkl.lz4')",
-    dump_b="dump(b, 'b.pkl.lz4')",
-    load_a="load('a.pkl.lz4')",
-    load_b="load('b.pkl.lz4')",
-)
-
-
-@_with_warning(**_STRINGS)
 def dumps(obj: Any) -> bytes:
     """Serialize an object to an lz4-compressed byte-string.
 
@@ -316,7 +240,6 @@ def dumps(obj: Any) -> bytes:
     return container_bytes(FORMAT_VERSION, _META, _segments(obj), uncompressed=1)
 
 
-@_with_warning(**_STRINGS)
 def loads(s: bytes | bytearray | memoryview, safe: bool = False) -> Any:
     """Load an object from a byte-string that was created by :func:`dumps`.
 
@@ -368,7 +291,6 @@ def loads(s: bytes | bytearray | memoryview, safe: bool = False) -> Any:
     return _load_from(MemorySource(memoryview(s).cast("B")), bool(safe), "the given data")
 
 
-@_with_warning(**_FILES)
 def dump(obj: Any, filepath: str | os.PathLike) -> None:
     """Save an object to disk.
 
@@ -416,7 +338,6 @@ def dump(obj: Any, filepath: str | os.PathLike) -> None:
     )
 
 
-@_with_warning(**_FILES)
 def load(filepath: str | os.PathLike, safe: bool = False) -> Any:
     """Load an object from a file that was created by :func:`dump`.
 
@@ -471,3 +392,9 @@ def load(filepath: str | os.PathLike, safe: bool = False) -> Any:
             with os.fdopen(os.dup(fd), "rb") as f:
                 data = MemorySource(memoryview(f.read()))
         return _load_from(data, bool(safe), f"file {path!r}")
+
+
+for _fn in (dump, dumps, load, loads):
+    if _fn.__doc__:  # None under python -OO
+        _fn.__doc__ = _fn.__doc__.replace("    {references}\n", _REFERENCES.lstrip("\n"))
+del _fn
