@@ -392,6 +392,52 @@ def test_cyclic_and_shared_states_keep_their_shape(tmp_path, background):
     np.testing.assert_array_equal(r["opt"][0].mu["w"], np.zeros(4))
 
 
+def test_large_arrays_are_copied_whole_before_save_returns(tmp_path):
+    # arrays over 16 MB are copied in pieces on several threads: every piece must land
+    rng = np.random.default_rng(0)
+    c_order = rng.integers(0, 2**62, 3_000_000)  # 24 MB
+    f_order = np.asfortranarray(rng.random((1500, 1500)))  # 18 MB, not C-contiguous
+    strided = c_order[::2]  # a view that is not contiguous
+    odd = rng.integers(0, 255, 3 * (1 << 23) + 5, dtype=np.uint8)  # a partial last piece
+    on_jax = jnp.asarray(rng.random(3_000_000, dtype=np.float32))  # 12 MB
+    state = {"c": c_order, "f": f_order, "strided": strided, "odd": odd, "jax": on_jax}
+    expected = {k: np.array(v) for k, v in state.items()}
+    with utils.CheckpointManager(tmp_path) as m:
+        m.save(1, state)
+        for arr in (c_order, f_order, odd):
+            arr[...] = 0  # the loop overwrites its arrays as soon as save returns
+        m.wait()
+        restored = m.restore()
+    for key, value in expected.items():
+        np.testing.assert_array_equal(restored[key], value)
+        assert restored[key].dtype == value.dtype
+    assert isinstance(restored["jax"], jax.Array)
+
+
+def test_a_save_from_an_atexit_handler(tmp_path):
+    # at exit no new thread pool can start: the copy falls back to one thread
+    out = run_python(
+        """
+        import atexit, sys
+        import numpy as np
+        from coax_utils import utils
+
+        m = utils.CheckpointManager(sys.argv[1])
+        x = np.arange(5_000_000)
+
+        def at_exit():
+            m.save(1, {"x": x})
+            x[:] = -1
+            m.close()
+
+        atexit.register(at_exit)
+        """,
+        tmp_path,
+    )
+    assert out.returncode == 0 and not out.stderr, out.stderr[-2000:]
+    np.testing.assert_array_equal(utils.load(tmp_path / ckpt(1))["x"], np.arange(5_000_000))
+
+
 def test_background_error_surfaces_in_wait_save_and_close(tmp_path):
     m = utils.CheckpointManager(tmp_path)
     m.save(1, {"ok": 1})

@@ -14,6 +14,7 @@ without a checkpoint); a ``.coax_utils-pending`` folder of older versions is ign
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import numbers
 import os
@@ -29,6 +30,7 @@ import numpy as np
 
 from coax_utils._checks import check_choice, check_finite_number, check_int
 from coax_utils._files import lock_file, remove_stale_temps
+from coax_utils.utils._checkpoint.container import num_threads
 from coax_utils.utils._checkpoint.errors import CheckpointDamagedError
 from coax_utils.utils._checkpoint.io import dump, load
 
@@ -42,6 +44,7 @@ _CHECKPOINT = re.compile(rf"ckpt_([0-9]{{{_DIGITS}}})\.pkl\.lz4")
 _METRICS = re.compile(rf"ckpt_([0-9]{{{_DIGITS}}})\.metrics\.pkl\.lz4")
 _LOCK = ".coax_utils-lock"
 _ALIGN = 64  # the alignment jax needs to adopt host memory without a copy
+_CHUNK = 1 << 23  # bytes per piece of a large array copied on several threads
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
@@ -93,31 +96,15 @@ def _unlink(path: str) -> None:
             raise
 
 
-def _host_copy(x: jax.Array, host: jax.Device | None) -> jax.Array:
-    """``x`` copied to host memory, as a jax array on the CPU device that shares nothing."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        data = _host_copy(jax.random.key_data(x), host)
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-    if host is None or x.weak_type:  # a weak type survives jax's own (slower) copy only
-        return jax.device_put(x, host, may_alias=False)
-    # numpy copies at memory speed (jax's CPU copy is several times slower); a 64-byte
-    # aligned buffer lets device_put adopt the copy as the array's memory instead of copying
-    src = np.asarray(x)  # a view of a CPU array's memory, or the array fetched from a GPU
-    raw = np.empty(src.nbytes + _ALIGN, np.uint8)
-    skip = -raw.__array_interface__["data"][0] % _ALIGN
-    out = raw[skip : skip + src.nbytes].view(src.dtype).reshape(src.shape)
-    np.copyto(out, src)
-    return jax.device_put(out, host, may_alias=True)
-
-
 class _Snapshot:
     """A copy of an object that nothing the caller does afterwards can change.
 
     One walk with one memo by ``id`` (shared by :func:`copy.deepcopy`, which copies what
     the walk does not open), so every object is copied once: shared references stay shared
     and cycles close. Lists and dicts are opened here, and so is every pytree node (tuples,
-    NamedTuples such as optax states, registered dataclasses), one level at a time; jax
-    arrays are copied to host memory as jax arrays on the CPU device and waited for.
+    NamedTuples such as optax states, registered dataclasses), one level at a time. numpy
+    arrays are copied here, and jax arrays to host memory as jax arrays on the CPU device;
+    large ones in pieces on a few threads (page faults and copies run in parallel).
     """
 
     def __init__(self) -> None:
@@ -130,11 +117,48 @@ class _Snapshot:
         self._keep: list[Any] = []
         self._memo[id(self._memo)] = self._keep
         self._arrays: list[jax.Array] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def take(self, obj: Any) -> Any:
-        out = self._copy(obj)
+        try:
+            out = self._copy(obj)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
         jax.block_until_ready(self._arrays)
         return out
+
+    def _copyto(self, dst: np.ndarray, src: np.ndarray) -> None:
+        step = _CHUNK // max(1, src.itemsize)
+        if src.size <= 2 * step or not (src.flags.c_contiguous and dst.flags.c_contiguous):
+            np.copyto(dst, src)
+            return
+        d, s = dst.reshape(-1), src.reshape(-1)
+
+        def piece(i: int) -> None:
+            np.copyto(d[i : i + step], s[i : i + step])
+
+        try:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(num_threads())
+            list(self._pool.map(piece, range(0, s.size, step)))
+        except RuntimeError:  # the interpreter is exiting (a save from an atexit handler)
+            np.copyto(dst, src)
+
+    def _jax(self, x: jax.Array) -> jax.Array:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = self._jax(jax.random.key_data(x))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        if self._host is None or x.weak_type:  # a weak type survives jax's own copy only
+            return jax.device_put(x, self._host, may_alias=False)
+        # numpy copies at memory speed (jax's CPU copy is several times slower); a 64-byte
+        # aligned buffer lets device_put adopt the copy as the array's memory
+        src = np.asarray(x)  # a view of a CPU array's memory, or the array fetched from a GPU
+        raw = np.empty(src.nbytes + _ALIGN, np.uint8)
+        skip = -raw.__array_interface__["data"][0] % _ALIGN
+        out = raw[skip : skip + src.nbytes].view(src.dtype).reshape(src.shape)
+        self._copyto(out, src)
+        return jax.device_put(out, self._host, may_alias=True)
 
     def _copy(self, x: Any) -> Any:
         t = type(x)
@@ -143,8 +167,11 @@ class _Snapshot:
         if id(x) in self._memo:
             return self._memo[id(x)]
         if isinstance(x, jax.Array):
-            y = _host_copy(x, self._host)
+            y = self._jax(x)
             self._arrays.append(y)
+        elif t is np.ndarray and not x.dtype.hasobject:
+            y = np.empty_like(x)
+            self._copyto(y, x)
         elif t is list:  # in the memo before its items: a list may hold itself
             y = self._memo[id(x)] = []
             y.extend(x if _ATOMS.issuperset(map(type, x)) else map(self._copy, x))
