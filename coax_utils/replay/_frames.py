@@ -9,23 +9,34 @@ from typing import Any
 import jax
 import numpy as np
 
+from coax_utils._checks import check_int
 from coax_utils.replay._host import PrioritizedReplayBuffer, SimpleReplayBuffer
 from coax_utils.replay._transition import TransitionBatch
 
 __all__ = ["FrameStackReplayBuffer", "PrioritizedFrameStackReplayBuffer", "frame_fingerprints"]
 
 _MAX_COUNT = np.iinfo(np.int64).max
-_MAX_WINDOW = 8192  # how many of the newest frames new stacks are matched against
+_MAX_WINDOW = 8192  # the host buffers match against at most this many of the newest frames
 _REJECTION_ROUNDS = 32  # redraws of transitions whose frames were overwritten, then exact
 _FRAME_KEYS = ("stack_size", "frame_capacity", "frame_count", "frames")
 
 
-def _check_positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a positive int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+def match_window(capacity: int, stack_size: int, frame_capacity: int) -> int:
+    """How many of the newest frames a new frame is matched against (host and jittable).
+
+    A frame is referenced only where the stored copy outlives the transitions that refer to
+    it: a transition added when ``frame_count`` was ``c`` refers to frames ``>= c - window``,
+    so it keeps all its frames until ``frame_capacity - window`` frames more are stored, and
+    transitions lose frames in the order they were added. The window is the room that
+    ``frame_capacity`` leaves beyond ``capacity + capacity // 64 + 1`` frames (what the
+    newest ``capacity`` transitions store, one frame per step and one per episode start, in
+    episodes of 64 steps or more), at least ``2 * stack_size - 1`` (a stack and the frame
+    before it) and at most ``frame_capacity - 2 * stack_size`` (a matched frame outlives the
+    add that refers to it). A frame that repeats an older one beyond the window is stored
+    again.
+    """
+    spare = frame_capacity - capacity - capacity // 64 - 1
+    return min(max(2 * stack_size - 1, spare), frame_capacity - 2 * stack_size)
 
 
 def _words(frames: np.ndarray) -> np.ndarray:
@@ -80,11 +91,11 @@ class _FrameStacks:
     _frame_capacity: int
 
     def _init_frames(self, capacity: Any, stack_size: Any, frame_capacity: Any) -> None:
-        capacity = _check_positive_int(capacity, "capacity")
-        self._stack_size = _check_positive_int(stack_size, "stack_size")
+        capacity = check_int(capacity, "capacity", low=1)
+        self._stack_size = check_int(stack_size, "stack_size", low=1)
         if frame_capacity is None:
             frame_capacity = capacity + capacity // 64 + 2 * self._stack_size
-        self._frame_capacity = _check_positive_int(frame_capacity, "frame_capacity")
+        self._frame_capacity = check_int(frame_capacity, "frame_capacity", low=1)
         if self._frame_capacity < 2 * self._stack_size:
             raise ValueError(
                 f"frame_capacity must be at least 2 * stack_size = {2 * self._stack_size} (the "
@@ -99,6 +110,8 @@ class _FrameStacks:
         self._fingerprints: np.ndarray | None = None
         self._recent: dict[int, int] = {}  # fingerprint -> id, of the newest frames
         self._positions: tuple | None = None  # see _positions_of_ids
+        self._frontier = 0  # the prioritized buffer's _prune starts here
+        self._scan_reach = 0  # how far back restored transitions refer (see _restore_extra)
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -119,7 +132,8 @@ class _FrameStacks:
 
     @property
     def _window(self) -> int:
-        return min(self._frame_capacity - 2 * self._stack_size, _MAX_WINDOW)
+        capacity = self._capacity  # type: ignore[attr-defined]
+        return min(match_window(capacity, self._stack_size, self._frame_capacity), _MAX_WINDOW)
 
     # -- adding --------------------------------------------------------------------------------
 
@@ -282,6 +296,10 @@ class _FrameStacks:
         if ring is not None:
             self._frames, self._fingerprints = ring
         self._store_frames(frames[new], fps[new])
+        self._prune()
+
+    def _prune(self) -> None:
+        """Called after each add (the prioritized buffer drops what lost frames)."""
 
     # -- sampling ------------------------------------------------------------------------------
 
@@ -296,32 +314,16 @@ class _FrameStacks:
             self._positions = (treedef, skeleton.S, skeleton.S_next, sample.S, sample.S_next)
         return self._positions[1:]
 
+    def _id_range(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The smallest and the largest frame id of the transitions in ``slots``."""
+        s, s_next, _, _ = self._positions_of_ids()
+        a = self._storage[s][slots]  # type: ignore[attr-defined]
+        b = self._storage[s_next][slots]  # type: ignore[attr-defined]
+        return np.minimum(a.min(axis=1), b.min(axis=1)), np.maximum(a.max(axis=1), b.max(axis=1))
+
     def _live(self, slots: np.ndarray) -> np.ndarray:
         """Whether the transitions in ``slots`` still have all their frames."""
-        s, s_next, _, _ = self._positions_of_ids()
-        s_ids = self._storage[s]  # type: ignore[attr-defined]
-        next_ids = self._storage[s_next]  # type: ignore[attr-defined]
-        oldest = np.minimum(s_ids[slots].min(axis=1), next_ids[slots].min(axis=1))
-        return oldest >= self._frame_count - self._frame_capacity
-
-    def _live_slots(self) -> np.ndarray:
-        return np.flatnonzero(self._live(np.arange(len(self))))  # type: ignore[arg-type]
-
-    def _redraw_dead(self, slots: np.ndarray) -> np.ndarray:
-        """``slots`` with those that lost frames redrawn (as by ``_draw``), in place."""
-        for _ in range(_REJECTION_ROUNDS):
-            dead = np.flatnonzero(~self._live(slots))
-            if not len(dead):
-                return slots
-            self._drop(slots[dead])
-            slots[dead] = self._draw(len(dead))
-        live = self._live_slots()
-        if not len(live):
-            raise ValueError(
-                "no transition in the buffer has all its frames: frame_capacity "
-                f"{self._frame_capacity} is too small for these transitions"
-            )
-        return self._draw_among(live, len(slots))
+        return self._id_range(slots)[0] >= self._frame_count - self._frame_capacity
 
     def _sample_live(self, batch_size: int, weighted: bool) -> TransitionBatch:
         """``batch_size`` transitions drawn by ``_draw`` among those that have all their
@@ -414,17 +416,13 @@ class _FrameStacks:
     def _restore_extra(self, state: dict[str, Any]) -> None:
         name = type(self).__name__
         try:
-            stack_size = _check_positive_int(state["stack_size"], "stack_size")
-            frame_capacity = _check_positive_int(state["frame_capacity"], "frame_capacity")
+            stack_size = check_int(state["stack_size"], "stack_size", low=1)
+            frame_capacity = check_int(state["frame_capacity"], "frame_capacity", low=1)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name} state: {e}") from None
         if frame_capacity < 2 * stack_size:
             raise ValueError(f"{name} state: frame_capacity must be at least 2 * stack_size")
-        count = state["frame_count"]
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
-            raise TypeError(f"{name} state: frame_count must be an int, got {count!r}")
-        if not 0 <= count <= _MAX_COUNT:
-            raise ValueError(f"{name} state: frame_count must lie in [0, 2**63), got {count}")
+        count = check_int(state["frame_count"], f"{name} state: frame_count", 0, _MAX_COUNT)
         self._stack_size, self._frame_capacity = stack_size, frame_capacity
         frames = state["frames"]
         if self._storage is None:  # type: ignore[attr-defined]
@@ -445,7 +443,8 @@ class _FrameStacks:
                 f"frame_capacity={frame_capacity} non-empty rows, got {frames!r:.80}"
             )
         skeleton = jax.tree_util.tree_unflatten(
-            self._treedef, list(range(self._treedef.num_leaves))  # type: ignore[attr-defined]
+            self._treedef,
+            list(range(self._treedef.num_leaves)),  # type: ignore[attr-defined]
         )
         if not (isinstance(skeleton.S, int) and isinstance(skeleton.S_next, int)):
             raise ValueError(f"{name} state: S and S_next must each be one leaf of frame ids")
@@ -460,12 +459,16 @@ class _FrameStacks:
             filled = ids[:n]
             if filled.size and (filled.min() < 0 or filled.max() >= count):
                 raise ValueError(
-                    f"{name} state: the frame ids of {field} must lie in [0, frame_count="
-                    f"{count})"
+                    f"{name} state: the frame ids of {field} must lie in [0, frame_count={count})"
                 )
+        self._frames, self._frame_count = frames, count  # (the prioritized priorities use them)
         super()._restore_extra(state)  # type: ignore[misc]
-        self._frames = frames
-        self._frame_count = int(count)
+        # how far back the restored transitions refer (a transition stores frames below its
+        # first frame_count + 2 k), so that _prune finds every one that loses frames later
+        lo, hi = self._id_range(self._filled_in_order())  # type: ignore[attr-defined]
+        born = np.maximum.accumulate(hi - 2 * stack_size + 1)
+        self._scan_reach = int((born - lo).max()) if len(lo) else 0
+        self._frontier = self._count - n  # type: ignore[attr-defined]
         self._fingerprints = np.zeros(frame_capacity, np.uint64)
         self._recent = {}
         first = max(0, count - min(self._window, frame_capacity))
@@ -544,11 +547,21 @@ class FrameStackReplayBuffer(_FrameStacks, SimpleReplayBuffer):
     def _draw(self, n: int) -> np.ndarray:
         return (self._rng.random(n) * len(self)).astype(np.int64)
 
-    def _draw_among(self, slots: np.ndarray, n: int) -> np.ndarray:
-        return slots[(self._rng.random(n) * len(slots)).astype(np.int64)]
-
-    def _drop(self, slots: np.ndarray) -> None:
-        pass
+    def _redraw_dead(self, slots: np.ndarray) -> np.ndarray:
+        """``slots`` with those that lost frames redrawn, in place (exact: after a few
+        rounds, drawn among those that have their frames)."""
+        for _ in range(_REJECTION_ROUNDS):
+            dead = np.flatnonzero(~self._live(slots))
+            if not len(dead):
+                return slots
+            slots[dead] = self._draw(len(dead))
+        live = np.flatnonzero(self._live(np.arange(len(self))))
+        if not len(live):
+            raise ValueError(
+                "no transition in the buffer has all its frames: frame_capacity "
+                f"{self._frame_capacity} is too small for these transitions"
+            )
+        return live[(self._rng.random(len(slots)) * len(live)).astype(np.int64)]
 
     def sample(self, batch_size: int = 32) -> TransitionBatch:  # type: ignore[override]
         """Sample a batch of transitions uniformly (with replacement) among those whose
@@ -620,24 +633,51 @@ class PrioritizedFrameStackReplayBuffer(_FrameStacks, PrioritizedReplayBuffer):
         super().__init__(capacity, alpha, beta, epsilon, random_seed)
 
     def _draw(self, n: int) -> np.ndarray:
-        if not self._tree.root_value > 0:  # every transition was dropped
-            return self._draw_among(self._live_slots(), n)
-        u = self._rng.random(n)
-        return np.asarray(self._tree.inverse_cdf(u), dtype=np.int64)
-
-    def _draw_among(self, slots: np.ndarray, n: int) -> np.ndarray:
-        if not len(slots):
-            raise ValueError("no transition in the buffer has all its frames")
-        cdf = np.cumsum(self._tree.values[slots])
-        if not cdf[-1] > 0:  # e.g. priorities that underflow to 0 (a large alpha)
+        if not self._tree.root_value > 0:  # (priorities that underflow: a large alpha)
             raise ValueError(
                 "every transition that has all its frames has priority 0: nothing to sample"
             )
-        pick = np.searchsorted(cdf, self._rng.random(n) * cdf[-1], side="right")
-        return slots[np.minimum(pick, len(slots) - 1)]
+        u = self._rng.random(n)
+        return np.asarray(self._tree.inverse_cdf(u), dtype=np.int64)
 
-    def _drop(self, slots: np.ndarray) -> None:
-        self._tree.set_values(np.unique(slots), 0.0)
+    def _redraw_dead(self, slots: np.ndarray) -> np.ndarray:
+        # every transition that lost frames has priority 0 (see _prune), so none is drawn
+        raise RuntimeError("a transition that lost frames was drawn: its priority was not 0")
+
+    def _prune(self) -> None:
+        """Priority 0 for every transition that lost frames to the ring (after each add).
+
+        Transitions are checked oldest first from the frontier, the oldest that may still
+        hold all its frames, up to the first whose newest frame id shows that it and every
+        later one hold theirs: a transition added when ``frame_count`` was ``c`` refers to
+        frames ``>= c - window`` and stores frames ``< c + 2 k`` (``window``: see
+        :func:`match_window`, or how far back restored transitions refer). With the default
+        ``frame_capacity`` and episodes of 64 steps or more, one transition is checked.
+        """
+        floor = self._frame_count - self._frame_capacity  # frames below were overwritten
+        safe = floor + max(self._window, self._scan_reach) + 2 * self._stack_size - 1
+        start, step, moving = max(self._frontier, self._count - len(self)), 4, True
+        while start < self._count:
+            slots = np.arange(start, min(start + step, self._count)) % self._capacity
+            lo, hi = self._id_range(slots)
+            stop = hi >= safe
+            end = int(np.argmax(stop)) if stop.any() else len(slots)
+            dead = lo[:end] < floor
+            if dead.any():
+                self._tree.set_values(slots[:end][dead], 0.0)
+            if moving:  # the frontier passes the transitions that lost frames
+                lead = end if dead.all() else int(np.argmin(dead))
+                self._frontier, moving = start + lead, lead == end
+            if end < len(slots):
+                return
+            start, step = start + len(slots), 2 * step
+
+    def _refresh_priorities(self, alpha: float, epsilon: float) -> None:
+        # (alpha, epsilon and restores): transitions that lost frames keep priority 0
+        super()._refresh_priorities(alpha, epsilon)
+        if len(self):
+            slots = np.arange(len(self))
+            self._tree.set_values(slots[~self._live(slots)], 0.0)
 
     def _updatable(self, slots: np.ndarray, idx: np.ndarray) -> np.ndarray:
         # the ids still held whose transitions have all their frames: an update never gives

@@ -18,6 +18,7 @@ import numpy as np
 from coax_utils._checks import check_int, checked_indices
 from coax_utils._dataclass import pytree_dataclass
 from coax_utils._random import random_index
+from coax_utils.replay._frames import match_window
 from coax_utils.replay._functional import (
     PrioritizedBufferState,
     PrioritizedSample,
@@ -95,7 +96,7 @@ class _FrameRing:
         if frame_capacity is None:
             frame_capacity = capacity + capacity // 64 + 2 * k
         F = check_int(frame_capacity, "frame_capacity", low=2 * k, high=_COUNTER_SPAN // 4)
-        window = min(check_int(window, "window", low=0), F - 2 * k)
+        window = min(check_int(window, "window", low=0), match_window(capacity, k, F))
         # a table of 8 entries per frame of the window (as used: at most frame_capacity
         # frames), at least 8192: frames that share an entry evict each other and are
         # stored again while both are in use
@@ -167,6 +168,8 @@ class _FrameRing:
         x = jnp.concatenate([jnp.asarray(batch.S), jnp.asarray(batch.S_next)], axis=1)
         x = x.reshape((2 * n * k,) + state.frames.shape[1:])
 
+        born = state.frame_count
+
         def one(carry: tuple, item: tuple) -> tuple:
             frames, count, th, tid = carry
             frame, h = item
@@ -174,7 +177,9 @@ class _FrameRing:
             mixed = (h[0] ^ (h[1] * jnp.uint32(0x85EBCA6B))) * jnp.uint32(0x9E3779B1)
             slot = (mixed >> (32 - bits)).astype(jnp.int32)
             cand = tid[slot]
-            hit = (cand >= 0) & (self.age(cand, count) <= window) & jnp.all(th[slot] == h)
+            # frames stored from window frames before the add on (as the host buffer)
+            reach = window + self.age(born, count)
+            hit = (cand >= 0) & (self.age(cand, count) <= reach) & jnp.all(th[slot] == h)
             hit &= jnp.array_equal(frames[cand % F], frame)
             row = count % F
             frames = frames.at[row].set(jnp.where(hit, frames[row], frame))

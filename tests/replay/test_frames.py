@@ -142,7 +142,10 @@ def test_vector_env_with_different_episode_lengths():
     env = gymnasium.vector.SyncVectorEnv(
         [lambda m=m: image_cartpole(max_steps=m, k=3) for m in lengths]
     )
-    buffer = FrameStackReplayBuffer(capacity=2000, stack_size=3, random_seed=0)
+    # frames are matched against the newest frame_capacity - (capacity + capacity // 64 + 1):
+    # with 3 streams interleaved, a stack's oldest frame came about 3 * (stack_size + n) ago
+    F = 2000 + 2000 // 64 + 1 + 3 * (3 + 2)
+    buffer = FrameStackReplayBuffer(capacity=2000, stack_size=3, frame_capacity=F, random_seed=0)
     oracle, ends = run(env, buffer, NStep(n=2, gamma=0.9), 60)
     assert ends >= 10
     expected = assert_all_samplable(buffer, oracle)
@@ -175,7 +178,7 @@ def test_ring_overwrite_near_the_boundary():
 
 def test_prioritized_never_samples_lost_transitions():
     buffer = PrioritizedFrameStackReplayBuffer(
-        capacity=30, stack_size=K, frame_capacity=30, alpha=0.7, random_seed=3
+        capacity=30, stack_size=K, frame_capacity=20, alpha=0.7, random_seed=3
     )
     lost = []
 
@@ -234,8 +237,8 @@ def test_dump_load_safe_round_trip(filled, tmp_path):
     loaded = utils.load(tmp_path / "buf.lz4", safe=True)
     assert isinstance(loaded, PrioritizedFrameStackReplayBuffer)
     same_future(loaded, pickle.loads(pickle.dumps(buffer)), by_id(oracle))
-    # the loaded buffer keeps deduplicating: the next stack shares frames with stored ones
-    tr = next(iter(loaded))
+    # the loaded buffer keeps deduplicating: the newest stacks share frames with stored ones
+    tr = list(loaded)[-1]
     count = loaded.frame_count
     loaded.add(tr.replace(idx=None))
     assert loaded.frame_count == count

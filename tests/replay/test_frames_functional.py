@@ -28,7 +28,9 @@ def frame_modulus(F):
 
 
 def near_the_wrap(state, frames_left, transitions_left=None, capacity=None):
-    """An empty state whose counters are about to wrap around (as after ~2**30 frames)."""
+    """An empty state whose counters are about to wrap around (as after ~2**30 frames);
+    ``transitions_left`` a multiple of ``capacity`` (the slot of a transition is its number
+    modulo the capacity)."""
     F = state.frames.shape[0]
     fields = dict(frame_count=jnp.int32(frame_modulus(F) - frames_left))
     if transitions_left is not None:
@@ -39,9 +41,10 @@ def near_the_wrap(state, frames_left, transitions_left=None, capacity=None):
 
 @pytest.mark.parametrize("wrap", [False, True], ids=["fresh", "counters-wrap"])
 def test_jittable_matches_host_on_the_same_stream(wrap):
-    host = FrameStackReplayBuffer(capacity=40, stack_size=K, frame_capacity=44, random_seed=0)
+    F = 36  # transitions keep their frames for F - window = 29 frames: the oldest lose them
+    host = FrameStackReplayBuffer(capacity=40, stack_size=K, frame_capacity=F, random_seed=0)
     tee = Tee(host)
-    buf = make_frame_stack_buffer(capacity=40, stack_size=K, frame_capacity=44)
+    buf = make_frame_stack_buffer(capacity=40, stack_size=K, frame_capacity=F)
     add = jax.jit(buf.add)
     sample = jax.jit(buf.sample, static_argnums=2)
     state = None
@@ -64,7 +67,7 @@ def test_jittable_matches_host_on_the_same_stream(wrap):
 
     start = []
     run(image_cartpole(max_steps=6), Both(), NStep(n=2, gamma=0.9), 90)
-    stored = (int(state.frame_count) - start[0]) % frame_modulus(44)
+    stored = (int(state.frame_count) - start[0]) % frame_modulus(F)
     assert not wrap or int(state.frame_count) < start[0]  # it did wrap
     # each frame about once (a direct-mapped table may miss a repeat: stored again)
     assert host.frame_count <= stored <= host.frame_count + 4
@@ -117,7 +120,7 @@ class Numbered:
         if self.state is None:
             self.state = self.buf.init(jax.tree_util.tree_map(lambda x: x[0], batch))
             if self.wrap:  # the frame and transition counters wrap around during the run
-                self.state = near_the_wrap(self.state, 20, 17, self.buf.capacity)
+                self.state = near_the_wrap(self.state, 20, 30, self.buf.capacity)
             self.start = int(self.state.frame_count)
         self.state = self.add_fn(self.state, batch)
         if self.after_add is not None:
@@ -126,7 +129,7 @@ class Numbered:
 
 @pytest.mark.parametrize("wrap", [False, True], ids=["fresh", "counters-wrap"])
 def test_prioritized_jittable_matches_host_and_never_samples_lost_transitions(wrap):
-    F = 34
+    F = 24
     host = PrioritizedFrameStackReplayBuffer(
         capacity=30, stack_size=K, frame_capacity=F, alpha=0.7, random_seed=0
     )
@@ -174,7 +177,7 @@ def test_prioritized_jittable_matches_host_and_never_samples_lost_transitions(wr
     assert len(both.seen) > 30  # and the transition ring wrapped around
     if wrap:  # and so did both counters
         assert int(both.state.frame_count) < both.start
-        assert int(both.state.added) == len(both.seen) - 17
+        assert int(both.state.added) == len(both.seen) - 30
         assert int(both.state.frontier) <= int(both.state.added)
 
 
@@ -311,14 +314,15 @@ def example():
 
 
 def test_the_fingerprint_table_is_sized_by_the_window_in_use():
-    # a window beyond frame_capacity matches against at most frame_capacity frames: the table
-    # must not grow with the requested number (window=10**9 asked for 8.6G entries)
+    # a window beyond what frame_capacity leaves is cut to it: the table must not grow with
+    # the requested number (window=10**9 asked for 8.6G entries)
     for factory in (make_frame_stack_buffer, make_prioritized_frame_stack_buffer):
         state = jax.eval_shape(factory(100, stack_size=K, window=10**9).init, example())
         assert state.table_id.shape == state.table_hash.shape[:1] == (8192,)
-        big = factory(10_000, stack_size=K, window=10**9)
+        big = factory(10_000, stack_size=K, frame_capacity=30_000, window=10**9)
         state = jax.eval_shape(big.init, example())
-        assert 8 * big.frame_capacity <= state.table_id.shape[0] < 16 * big.frame_capacity
+        window = 30_000 - 10_000 - 10_000 // 64 - 1  # the room beyond the transitions' frames
+        assert 8 * window <= state.table_id.shape[0] < 16 * window
 
 
 @pytest.mark.parametrize("factory", [make_frame_stack_buffer, make_prioritized_frame_stack_buffer])
@@ -396,15 +400,16 @@ def test_a_state_used_with_a_smaller_window_still_drops_transitions_that_lost_fr
         )
 
     stream = [transition(t, 2 * t, 2 * t + 1, 2 * t + 2) for t in range(200)]
-    stream.append(transition(200, 100, 401, 402))  # refers to a frame 300 frames back
-    stream += [transition(201 + j, 403 + 2 * j, 404 + 2 * j, 405 + 2 * j) for j in range(60)]
+    stream.append(transition(200, 310, 401, 402))  # refers to a frame 91 frames back
+    stream += [transition(201 + j, 403 + 2 * j, 404 + 2 * j, 405 + 2 * j) for j in range(160)]
     example = jax.tree_util.tree_map(lambda x: x[0], stream[0])
-    assert int(large.init(example).window) == 396 and int(small.init(example).window) == 4
+    # the large window: what frame_capacity leaves beyond capacity + capacity // 64 + 1
+    assert int(large.init(example).window) == 95 and int(small.init(example).window) == 4
     state = large.init(example)
     add_large, add_small = jax.jit(large.add), jax.jit(small.add)
     for t, batch in enumerate(stream):
         state = (add_large if t <= 200 else add_small)(state, batch)
-    assert int(state.window) == 396
+    assert int(state.window) == 95
     slot = 200 % 300
     ids = np.asarray(state.transitions.items.S)[slot]
     assert int(state.frame_count) - ids.min() > 400  # its first frame was overwritten
