@@ -73,11 +73,8 @@ class Corrupt(Exception):
 
 def num_threads() -> int:
     """How many threads compress or decompress (the CPUs this process may use, at most 4)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, n))
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MAX_THREADS, n or 1))
 
 
 _END = object()
@@ -161,10 +158,6 @@ def _compress(chunk: memoryview) -> tuple[Any, int, int]:
     return chunk, zlib.crc32(chunk), RAW
 
 
-def _nbytes(piece: Any) -> int:
-    return len(piece) if isinstance(piece, bytes) else piece.nbytes
-
-
 class _InOrder:
     """Gives the chunks consecutive offsets, in chunk order, as they finish in any order.
 
@@ -184,7 +177,7 @@ class _InOrder:
             while self._next in self._ready:
                 piece = self._ready.pop(self._next)
                 todo.append((self.offset, piece))
-                self.offset += _nbytes(piece)
+                self.offset += memoryview(piece).nbytes
                 self._next += 1
         for offset, piece in todo:
             self._place(offset, piece)
@@ -222,14 +215,9 @@ def write_container(
     head = _HEADER.pack(MAGIC, version, len(meta_bytes)) + meta_bytes
     head += _CRC.pack(zlib.crc32(head))
     sizes = [sum(p.nbytes for p in pieces) for pieces in segments]
-    if reserve is not None:
-        largest = [
-            [min(chunk_size, n - j * chunk_size), 0xFFFFFFFF, LZ4]
-            for n in sizes
-            for j in range(-(-n // chunk_size))
-        ]
-        index_bound = len(_index(sizes, largest, chunk_size))
-        reserve(len(head) + sum(sizes) + index_bound + _FOOTER.size)
+    if reserve is not None:  # index: at most 24 bytes per chunk entry, 32 per segment
+        chunks = sum(-(-n // chunk_size) for n in sizes)
+        reserve(len(head) + sum(sizes) + 24 * chunks + 32 * (len(sizes) + 1) + _FOOTER.size)
     place(0, head)
     body = _InOrder(len(head), place)
 
@@ -241,7 +229,7 @@ def write_container(
         else:
             data, crc, codec = _compress(job[1])
         body.add(job[0], data)
-        return [_nbytes(data), crc, codec]
+        return [memoryview(data).nbytes, crc, codec]
 
     jobs = enumerate(c for pieces in segments for c in _chunks(pieces, chunk_size))
     entries = list(map_ordered(store, jobs, sum(sizes) >= 2 * chunk_size))

@@ -109,11 +109,6 @@ def segments_to_read(structure: Any, segment_sizes: list[int]) -> list[int]:
     return [FIRST_BUFFER_SEGMENT, *sorted(big)]
 
 
-def _check_int(x: Any, lo: int, hi: int, what: str) -> None:
-    if type(x) is not int or not lo <= x < hi:
-        raise ValueError(f"{what} must be an int in [{lo}, {hi}), got {x!r}")
-
-
 def _check_hashes(keys: list) -> None:
     """Refuse keys of a dict or set many of which share a hash: inserting n of them takes
     n**2 steps (ints that differ by multiples of 2**61 - 1 all hash alike, for one)."""
@@ -208,8 +203,8 @@ class Decoder(Scoped):
         dt = dtype_from_descriptor(desc)
         if type(shape) is not list or len(shape) > 64:
             raise ValueError(f"shape {shape!r} is not a list of at most 64 sizes")
-        for d in shape:
-            _check_int(d, 0, 1 << 62, "array dimension")
+        if any(type(d) is not int or not 0 <= d < 1 << 62 for d in shape):
+            raise ValueError(f"array dimensions {shape!r} are not ints in [0, 2**62)")
         if order not in ("C", "F"):
             raise ValueError(f"array order {order!r} is not 'C' or 'F'")
         count = 1
