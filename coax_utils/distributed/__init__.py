@@ -11,7 +11,8 @@ from coax_utils.distributed._params import ParameterServer
 from coax_utils.distributed._prefetch import PrefetchingSampler
 from coax_utils.distributed._rate_limiter import RateLimiter
 from coax_utils.distributed._server import ReplayServer
-from coax_utils.distributed._sharded import PendingReply, ReplayShardError, ShardedReplay
+from coax_utils.distributed._shard import ReplayShardError
+from coax_utils.distributed._sharded import PendingReply, ShardedReplay
 from coax_utils.distributed._worker import RolloutWorker
 
 __all__ = [

@@ -2,282 +2,34 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import os
-import re
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import ray
 
+from coax_utils._checks import check_float, check_int, check_seed
 from coax_utils.distributed._actor import wait_ready
-from coax_utils.distributed._server import ReplayServer
-from coax_utils.replay import PrioritizedReplayBuffer, TransitionBatch
+from coax_utils.distributed._manifest import (
+    new_shard_files,
+    read_manifest,
+    remove_shard_files,
+    save_lock,
+    write_manifest,
+)
+from coax_utils.distributed._pending import PendingReply
+from coax_utils.distributed._shard import ReplayShard, ReplayShardError, check_buffers
+from coax_utils.replay import TransitionBatch
 
 __all__ = ["PendingReply", "ReplayShardError", "ShardedReplay"]
 
-_MANIFEST = "sharded_replay.json"
-_MANIFEST_VERSION = 3
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_SHARD_FILE = re.compile(r"shard-([0-9]+)-[0-9a-f]{32}\.lz4")  # shard-<i>-<save token>.lz4
 
-
-class ReplayShardError(RuntimeError):
-    """A replay shard (or the rate limiter) died or stopped answering; the message names it."""
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _check_timeout(name: str, value: Any, positive: bool = False) -> float | None:
+def _check_timeout(value: Any, name: str, positive: bool = False) -> float | None:
     """None, or a finite float >= 0 (> 0 with ``positive``)."""
-    if value is None:
-        return None
-    what = f"None or a finite float {'>' if positive else '>='} 0"
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-        raise TypeError(f"{name} must be {what}, got {value!r}")
-    if not (np.isfinite(value) and (value > 0 if positive else value >= 0)):
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return float(value)
-
-
-def _sha256(path: str) -> str:
-    """The SHA-256 of a file's bytes (hex), read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _kind(buffer: Any) -> tuple[Any, ...]:
-    """What the shards of one replay share: the buffer type and, if prioritized, the
-    exponents and epsilon that global probabilities and weights depend on."""
-    if isinstance(buffer, PrioritizedReplayBuffer):
-        return (type(buffer), buffer.alpha, buffer.beta, buffer.epsilon)
-    return (type(buffer),)
-
-
-def _describe_kind(kind: tuple[Any, ...]) -> str:
-    if len(kind) == 1:
-        return kind[0].__name__
-    return f"{kind[0].__name__}(alpha={kind[1]}, beta={kind[2]}, epsilon={kind[3]})"
-
-
-class _Shard(ReplayServer):
-    """A :class:`ReplayServer` whose ``add`` first waits for the rate limiter (if any)."""
-
-    _ray_options: ClassVar[dict[str, Any]] = {"max_concurrency": 16}
-    # adds waiting for the rate limiter take threads of their own: however many wait, the
-    # samples (whose permits let them go on), updates and counters still find a thread
-    _concurrency_groups: ClassVar[dict[str, int] | None] = {"adds": 16}
-
-    def __init__(
-        self, buffer: Any, limiter: Any = None, insert_timeout: float | None = None
-    ) -> None:
-        super().__init__(buffer)
-        self._limiter = limiter
-        self._insert_timeout = insert_timeout
-        self._staged: Any = None  # a checkpoint's buffer, loaded and checked, not yet served
-
-    @classmethod
-    def _validate_args(cls, buffer: Any, limiter: Any = None, insert_timeout: Any = None) -> None:
-        super()._validate_args(buffer)
-
-    @ray.method(concurrency_group="adds")
-    def add(self, transition_batch: TransitionBatch, Adv: Any = None) -> int:
-        if self._limiter is None or not isinstance(transition_batch, TransitionBatch):
-            return super().add(transition_batch, Adv)
-        n = transition_batch.batch_size
-        # reserved, not counted: samples see these inserts only once they are in the buffer
-        self._ask_limiter(self._limiter.reserve_inserts.remote(n, self._insert_timeout))
-        try:
-            added = super().add(transition_batch, Adv)
-        except BaseException:
-            self._ask_limiter(self._limiter.release_inserts.remote(n))
-            raise
-        self._ask_limiter(self._limiter.confirm_inserts.remote(n))
-        return added
-
-    @staticmethod
-    def _ask_limiter(ref: Any) -> Any:
-        """``ray.get`` a reply of the rate limiter; ReplayShardError naming it if it died."""
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayActorError as exc:
-            raise ReplayShardError(f"the rate limiter died or is unreachable: {exc}") from None
-
-    def _load(self, path: str | os.PathLike, safe: bool) -> Any:
-        """A saved buffer of the kind this shard serves (its siblings serve the same)."""
-        buffer = super()._load(path, safe)
-        new, old = _kind(buffer), _kind(self._buffer)
-        if new != old:
-            raise ValueError(
-                f"{os.fspath(path)!r} holds a {_describe_kind(new)}; this replay shard serves "
-                f"a {_describe_kind(old)} (all shards must hold buffers of one kind)"
-            )
-        return buffer
-
-    def checkpoint(self, path: str) -> str:
-        """:meth:`save` to ``path``; returns the SHA-256 of the file written."""
-        return _sha256(self.save(path))
-
-    def stage(self, path: str, sha256: str) -> int:
-        """Load and check the checkpoint at ``path`` without serving it yet; its size.
-
-        Raises ValueError if the file's SHA-256 is not ``sha256`` (edited, or saved by
-        another checkpoint) or it holds another kind of buffer; the served buffer is
-        unchanged either way.
-        """
-        if _sha256(path) != sha256:
-            raise ValueError(
-                f"{path!r} is not the file its checkpoint's manifest names (its SHA-256 "
-                "differs): it was edited, or written by another save"
-            )
-        buffer = self._load(path, True)
-        with self._lock:
-            self._staged = buffer
-            return len(buffer)
-
-    def commit_staged(self) -> int:
-        """Serve the buffer :meth:`stage` loaded; returns its size."""
-        with self._lock:
-            if self._staged is None:
-                raise RuntimeError("no checkpoint is staged on this replay shard")
-            self._buffer, self._staged = self._staged, None
-            self._num_added = len(self._buffer)
-            return len(self._buffer)
-
-    def drop_staged(self) -> None:
-        """Forget the buffer :meth:`stage` loaded (a restore that was refused)."""
-        with self._lock:
-            self._staged = None
-
-    def sample_share(self, count: int, permit: Any = None) -> dict[str, Any]:
-        """Draw ``count`` transitions (none from an empty buffer) with the shard's totals.
-
-        ``permit`` is the rate limiter's reply: passed as an object ref, Ray runs this call
-        only once the limiter allowed the sample. Returns :meth:`totals`, plus the keys of
-        :meth:`sample_with_priorities` when something was drawn, read under one lock.
-        """
-        with self._lock:
-            if count > 0 and len(self._buffer) > 0:
-                return self._sample_with_priorities(count)
-            return self._totals()
-
-
-class PendingReply:
-    """The replies of shards (and the rate limiter) to one call, collected on demand.
-
-    :meth:`ShardedReplay.sample_async` and :meth:`ShardedReplay.update` (``wait=False``)
-    return one: the requests are on their way, and :meth:`result` waits for them with the
-    client's time limits and raises a failed shard's error (naming it) there.
-    """
-
-    def __init__(
-        self,
-        replay: ShardedReplay,
-        refs: dict[int | None, Any],
-        finish: Callable[[dict[int | None, Any]], Any],
-        extra: dict[int | None, float | None] | None = None,
-    ) -> None:
-        self._replay = replay
-        self._refs = refs
-        self._finish = finish
-        self._extra = extra or {}
-        self._outcome: tuple[bool, Any] | None = None  # (ok, result or error) once known
-
-    def done(self) -> bool:
-        """Whether every reply has arrived (or failed): :meth:`result` then returns at once."""
-        refs = list(self._refs.values())
-        if not refs:
-            return True
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        return len(ready) == len(refs)
-
-    def result(self, *, abort: Callable[[], bool] | None = None) -> Any:
-        """Wait for the replies and return the call's result.
-
-        A later call returns the same result (or raises the same error) again: the replies
-        are combined once (a sample's per-shard counts are drawn once).
-
-        Parameters
-        ----------
-        abort : callable, optional
-            Asked at least every 0.1 s while a reply is awaited (the time limits still
-            apply); once it returns True the replies are abandoned and RuntimeError is
-            raised. A thread waiting without a time limit (e.g. for the rate limiter) can
-            thus be told to stop.
-
-        Raises
-        ------
-        ReplayShardError, TimeoutError
-            If a shard (or the limiter) died or did not answer in time.
-        RuntimeError
-            If ``abort()`` returned True before every reply arrived.
-        Exception
-            A shard's or the limiter's own error (e.g. the limiter's TimeoutError).
-        """
-        if self._outcome is None:
-            try:
-                replies = {
-                    key: self._replay._get(ref, key, self._extra.get(key, 0.0), abort)
-                    for key, ref in self._refs.items()
-                }
-                self._outcome = (True, self._finish(replies))
-            except Exception as exc:
-                self._outcome = (False, exc)
-            self._refs = {}  # the replies are no longer needed: Ray may free them
-        ok, value = self._outcome
-        if not ok:
-            raise value
-        return value
-
-
-def _is_total(x: Any) -> bool:
-    """Whether ``x`` (read from a manifest) is a finite number >= 0 (JSON ints may be huge)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return False
-    try:
-        return math.isfinite(x) and x >= 0
-    except OverflowError:  # an int beyond any float
-        return False
-
-
-def _check_buffers(buffers: Any) -> list[Any]:
-    if isinstance(buffers, (str, bytes)) or not isinstance(buffers, Sequence):
-        raise TypeError(
-            "buffers must be a sequence of host replay buffers, one per shard, got "
-            f"{type(buffers).__name__}"
-        )
-    buffers = list(buffers)
-    if not buffers:
-        raise ValueError("buffers must hold at least one replay buffer (one per shard)")
-    kinds = {type(b) for b in buffers}
-    if len(kinds) != 1:
-        raise TypeError(
-            "all shards must hold buffers of one type, got "
-            + ", ".join(sorted(k.__name__ for k in kinds))
-        )
-    if isinstance(buffers[0], PrioritizedReplayBuffer):
-        for name in ("alpha", "beta", "epsilon"):
-            values = {getattr(b, name) for b in buffers}
-            if len(values) != 1:
-                raise ValueError(
-                    f"the shards' buffers must share {name} (priorities and weights are "
-                    f"compared across shards), got {sorted(values)}"
-                )
-    for i, b in enumerate(buffers):
-        if len(b):
-            raise ValueError(f"buffers[{i}] is not empty ({len(b)} transitions); pass empty ones")
-    return buffers
+    return None if value is None else check_float(value, name, low=0.0, low_open=positive)
 
 
 class ShardedReplay:
@@ -365,20 +117,19 @@ class ShardedReplay:
         insert_timeout: float | None = None,
         shard_options: dict[str, Any] | None = None,
     ) -> None:
-        buffers = _check_buffers(buffers)
+        buffers = check_buffers(buffers)
         if rate_limiter is not None and not isinstance(rate_limiter, ray.actor.ActorHandle):
             raise TypeError(
                 f"rate_limiter must be None or a RateLimiter actor handle, got "
                 f"{type(rate_limiter).__name__}"
             )
-        if seed is not None and not _is_int(seed):
-            raise TypeError(f"seed must be None or an int, got {seed!r}")
+        seed = check_seed(seed, "seed")
         # 0 would fail every call before its reply could arrive (and cancel it)
-        self.timeout = _check_timeout("timeout", timeout, positive=True)
-        insert_timeout = _check_timeout("insert_timeout", insert_timeout)
+        self.timeout = _check_timeout(timeout, "timeout", positive=True)
+        insert_timeout = _check_timeout(insert_timeout, "insert_timeout")
         if shard_options is not None and not isinstance(shard_options, dict):
             raise TypeError(f"shard_options must be a dict, got {type(shard_options).__name__}")
-        options = _Shard.options(**(shard_options or {}))
+        options = ReplayShard.options(**(shard_options or {}))
         self.shards: list[Any] = [options.remote(b, rate_limiter, insert_timeout) for b in buffers]
         self.rate_limiter = rate_limiter
         self._insert_timeout = insert_timeout
@@ -488,8 +239,8 @@ class ShardedReplay:
         if shard is None:
             shard = self._next_shard
             self._next_shard = (self._next_shard + 1) % self.num_shards
-        elif not _is_int(shard) or not 0 <= shard < self.num_shards:
-            raise ValueError(f"shard must be an int in [0, {self.num_shards}), got {shard!r}")
+        else:
+            shard = check_int(shard, "shard", low=0, high=self.num_shards - 1)
         ref = self.shards[shard].add.remote(transition_batch, Adv)
         if not wait:
             return ref
@@ -557,12 +308,8 @@ class ShardedReplay:
         TypeError, ValueError
             For a bad ``batch_size`` or ``timeout`` (nothing is sent).
         """
-        if not _is_int(batch_size):
-            raise TypeError(f"batch_size must be a positive int, got {batch_size!r}")
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        timeout = _check_timeout("timeout", timeout)
-        batch_size = int(batch_size)
+        batch_size = check_int(batch_size, "batch_size", low=1)
+        timeout = _check_timeout(timeout, "timeout")
         refs: dict[int | None, Any] = {}
         permit = None
         if self.rate_limiter is not None:
@@ -572,7 +319,7 @@ class ShardedReplay:
         for i, shard in enumerate(self.shards):
             refs[i] = shard.sample_share.remote(int(asked[i]), permit)
         return PendingReply(
-            self, refs, lambda replies: self._combine(batch_size, replies), {None: timeout}
+            self._get, refs, lambda replies: self._combine(batch_size, replies), {None: timeout}
         )
 
     def _shares(self, batch_size: int) -> np.ndarray:
@@ -667,7 +414,7 @@ class ShardedReplay:
         """
         parts = self._route(idx, Adv)
         refs = {s: self.shards[s].update.remote(i, a) for s, (i, a) in parts.items()}
-        reply = PendingReply(self, dict(refs), lambda replies: None)
+        reply = PendingReply(self._get, dict(refs), lambda replies: None)
         return reply if not wait else reply.result()
 
     # -- counters ----------------------------------------------------------------------------
@@ -694,9 +441,15 @@ class ShardedReplay:
         (on the shard's node: on a multi-node cluster ``folder`` must be shared storage),
         under a name new to this save; the client then writes ``sharded_replay.json`` (the
         files' names and SHA-256, its RNG state, the shards' totals it last saw, the
-        round-robin position and the rate limiter's counters) atomically, and removes the
-        shard files of earlier saves. A save that fails (e.g. a dead shard) removes what it
-        wrote and leaves the earlier checkpoint in the folder as it was.
+        round-robin position and the rate limiter's counters), and removes the shard files
+        of earlier saves. Every file is written atomically (temp file, fsync, rename, fsync
+        of the folder), and the rename of the manifest commits the save: a save killed at
+        any point leaves the folder's manifest naming the complete files of either the
+        earlier save or this one, never a mix; the other's files are removed by the next
+        save. (The files are renamed in place rather than swapped in as a new folder, so
+        the folder may hold other files and :meth:`restore` needs no repair step.) A save
+        that fails (e.g. a dead shard) removes what it wrote. Saves into one folder hold a
+        lock on it (a ``.sharded_replay.lock`` file): a second save waits for the first.
 
         Parameters
         ----------
@@ -710,143 +463,35 @@ class ShardedReplay:
         """
         folder = os.path.abspath(os.fspath(folder))
         os.makedirs(folder, exist_ok=True)
-        token = uuid.uuid4().hex
-        files = [f"shard-{i}-{token}.lz4" for i in range(self.num_shards)]
-        refs = {
-            i: s.checkpoint.remote(os.path.join(folder, files[i]))
-            for i, s in enumerate(self.shards)
-        }
-        try:
-            digests = self._gather(refs)
-            limiter = None
-            if self.rate_limiter is not None:
-                limiter = self._get(self.rate_limiter.counts.remote(), None)
-        except BaseException:
-            ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout)
-            self._remove_shard_files(folder, keep=())
-            raise
-        with self._rng_lock:
-            rng_state = self._rng.bit_generator.state
-            hint = None if self._hint is None else self._hint.tolist()
-        manifest = {
-            "format": _MANIFEST_VERSION,
-            "num_shards": self.num_shards,
-            "next_shard": self._next_shard,
-            "rng": rng_state,
-            "rate_limiter": limiter,
-            "hint": hint,
-            "files": files,
-            "sha256": [digests[i] for i in range(self.num_shards)],
-        }
-        tmp = os.path.join(folder, _MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(folder, _MANIFEST))
-        self._remove_shard_files(folder, keep=files)
+        with save_lock(folder):
+            files = new_shard_files(self.num_shards)
+            refs = {
+                i: s.checkpoint.remote(os.path.join(folder, files[i]))
+                for i, s in enumerate(self.shards)
+            }
+            try:
+                digests = self._gather(refs)
+                limiter = None
+                if self.rate_limiter is not None:
+                    limiter = self._get(self.rate_limiter.counts.remote(), None)
+                with self._rng_lock:
+                    rng_state = self._rng.bit_generator.state
+                    hint = None if self._hint is None else self._hint.tolist()
+                write_manifest(
+                    folder,
+                    files=files,
+                    sha256=[digests[i] for i in range(self.num_shards)],
+                    rng_state=rng_state,
+                    hint=hint,
+                    next_shard=self._next_shard,
+                    rate_limiter=limiter,
+                )
+            except BaseException:
+                ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout)
+                remove_shard_files(folder, keep=())  # keeps what the manifest there names
+                raise
+            remove_shard_files(folder, keep=files)
         return folder
-
-    @staticmethod
-    def _remove_shard_files(folder: str, keep: Sequence[str]) -> None:
-        """Remove the shard files in ``folder`` that neither ``keep`` nor the manifest there
-        names (best effort)."""
-        named: set[str] = set(keep)
-        try:
-            with open(os.path.join(folder, _MANIFEST)) as f:
-                listed = json.load(f).get("files")
-            if isinstance(listed, list):
-                named.update(x for x in listed if isinstance(x, str))
-        except (OSError, ValueError, AttributeError):
-            pass
-        for name in os.listdir(folder):
-            if _SHARD_FILE.fullmatch(name) and name not in named:
-                try:
-                    os.remove(os.path.join(folder, name))
-                except OSError:
-                    pass
-
-    def _read_manifest(self, folder: str) -> dict[str, Any]:
-        path = os.path.join(folder, _MANIFEST)
-        try:
-            with open(path) as f:
-                manifest = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(
-                f"{folder!r} holds no ShardedReplay checkpoint ({_MANIFEST})"
-            ) from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path!r} is corrupted: {exc}") from None
-        keys = {
-            "format",
-            "num_shards",
-            "next_shard",
-            "rng",
-            "rate_limiter",
-            "hint",
-            "files",
-            "sha256",
-        }
-        if isinstance(manifest, dict) and manifest.get("format", _MANIFEST_VERSION) != (
-            _MANIFEST_VERSION
-        ):
-            raise ValueError(
-                f"{path!r} has format {manifest['format']!r}, expected {_MANIFEST_VERSION} "
-                "(a checkpoint of another version of this package)"
-            )
-        if not isinstance(manifest, dict) or set(manifest) != keys:
-            raise ValueError(f"{path!r} is not a ShardedReplay manifest (keys {sorted(keys)})")
-        if manifest["num_shards"] != self.num_shards:
-            raise ValueError(
-                f"{folder!r} holds {manifest['num_shards']!r} shards, this replay has "
-                f"{self.num_shards}"
-            )
-        if not _is_int(manifest["next_shard"]) or not 0 <= manifest["next_shard"] < self.num_shards:
-            raise ValueError(f"{path!r}: next_shard {manifest['next_shard']!r} is out of range")
-        hint = manifest["hint"]
-        if hint is not None and not (
-            isinstance(hint, list)
-            and len(hint) == self.num_shards
-            and all(_is_total(t) for t in hint)
-        ):
-            raise ValueError(f"{path!r}: hint must be null or one finite total >= 0 per shard")
-        counts = manifest["rate_limiter"]
-        if counts is not None and (
-            not isinstance(counts, dict)
-            or set(counts) != {"inserts", "samples"}
-            or not all(_is_int(c) and c >= 0 for c in counts.values())
-        ):
-            raise ValueError(
-                f"{path!r}: rate_limiter must be null or inserts/samples counts (ints >= 0)"
-            )
-        digests = manifest["sha256"]
-        if not (
-            isinstance(digests, list)
-            and len(digests) == self.num_shards
-            and all(isinstance(d, str) and _SHA256.fullmatch(d) for d in digests)
-        ):
-            raise ValueError(f"{path!r}: sha256 must hold one hex SHA-256 per shard file")
-        if (counts is None) != (self.rate_limiter is None):
-            raise ValueError(
-                f"{folder!r} was saved {'without' if counts is None else 'with'} a rate "
-                f"limiter, this replay has {'one' if self.rate_limiter is not None else 'none'}"
-            )
-        files = manifest["files"]
-        if not (
-            isinstance(files, list)
-            and len(files) == self.num_shards
-            and all(
-                isinstance(name, str)
-                and (m := _SHARD_FILE.fullmatch(name)) is not None
-                and m.group(1) == str(i)
-                for i, name in enumerate(files)
-            )
-        ):
-            raise ValueError(f"{path!r}: files must name one shard-<i>-<token>.lz4 per shard")
-        for name in files:
-            if not os.path.isfile(os.path.join(folder, name)):
-                raise ValueError(f"{folder!r} lacks {name}")
-        return manifest
 
     def restore(self, folder: str | os.PathLike) -> int:
         """Restore every shard and the client's state from a folder written by :meth:`save`.
@@ -855,6 +500,13 @@ class ShardedReplay:
         totals it last saw (how much it asks of each shard), the round-robin position and
         the rate limiter's counters continue where they were saved, so the samples that
         follow equal those the saved replay would have drawn.
+
+        Each shard reads its file once into memory, checks the SHA-256 of those bytes
+        against the manifest and loads the same bytes (with ``safe=True``: plain data
+        only), so a file replaced while the restore runs is refused or never read. The
+        RNG state goes through the checked constructor of every generator read from disk.
+        The restore holds the folder's lock (where it can write the lock file), so no save
+        into the folder removes the files it reads.
 
         Parameters
         ----------
@@ -872,37 +524,33 @@ class ShardedReplay:
             If the manifest is missing, corrupted or made for another number of shards or
             for a replay with(out) a rate limiter, or a shard file is missing, edited,
             written by another save (its SHA-256 differs from the manifest's), corrupted or
-            holds another kind of buffer than the shards serve. Nothing is changed: every
-            shard loads and checks its file before any of them serves it.
+            holds another kind of buffer than the shards serve. A manifest or shard file
+            that lies raises :class:`~coax_utils.utils.CheckpointDamagedError`. Nothing is
+            changed: every shard loads and checks its file before any of them serves it.
         ReplayShardError, TimeoutError
             If a shard died or did not answer (before the switch: nothing is changed).
         """
         folder = os.path.abspath(os.fspath(folder))
-        manifest = self._read_manifest(folder)
-        rng = np.random.default_rng()
-        try:
-            rng.bit_generator.state = manifest["rng"]
-        except (TypeError, ValueError, KeyError, OverflowError) as exc:
-            raise ValueError(f"{folder!r}: bad RNG state in the manifest: {exc}") from None
-        staged = {
-            i: s.stage.remote(os.path.join(folder, manifest["files"][i]), manifest["sha256"][i])
-            for i, s in enumerate(self.shards)
-        }
-        try:
-            self._gather(staged)
-        except BaseException:
-            for shard in self.shards:  # best effort: a dead shard holds nothing anyway
-                shard.drop_staged.remote()
-            raise
+        with save_lock(folder, reading=True):
+            manifest = read_manifest(folder, self.num_shards, self.rate_limiter is not None)
+            staged = {
+                i: s.stage.remote(os.path.join(folder, manifest.files[i]), manifest.sha256[i])
+                for i, s in enumerate(self.shards)
+            }
+            try:
+                self._gather(staged)
+            except BaseException:
+                for shard in self.shards:  # best effort: a dead shard holds nothing anyway
+                    shard.drop_staged.remote()
+                raise
         # every file is loaded and checked: switch all shards
         sizes = self._gather({i: s.commit_staged.remote() for i, s in enumerate(self.shards)})
-        if manifest["rate_limiter"] is not None:
-            counts = manifest["rate_limiter"]
+        if manifest.rate_limiter is not None:
+            counts = manifest.rate_limiter
             ref = self.rate_limiter.set_counts.remote(counts["inserts"], counts["samples"])
             self._get(ref, None)
         with self._rng_lock:
-            self._rng = rng
-            hint = manifest["hint"]
-            self._hint = None if hint is None else np.array(hint, np.float64)
-        self._next_shard = manifest["next_shard"]
+            self._rng = manifest.rng
+            self._hint = manifest.hint
+        self._next_shard = manifest.next_shard
         return int(sum(sizes.values()))

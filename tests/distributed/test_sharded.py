@@ -18,6 +18,7 @@ from coax_utils.distributed import (
     ShardedReplay,
 )
 from coax_utils.replay import PrioritizedReplayBuffer, SimpleReplayBuffer, TransitionBatch
+from coax_utils.utils import CheckpointDamagedError, CheckpointNotReadableError
 from tests.distributed._data import keys, kill_and_wait, make_batch
 
 ALPHA, BETA, EPS = 0.7, 0.5, 1e-4
@@ -174,7 +175,7 @@ def test_round_robin_adds_and_argument_errors(ray_cluster):
         ShardedReplay([PrioritizedReplayBuffer(5, beta=0.4), PrioritizedReplayBuffer(5)])
     with pytest.raises(ValueError, match="at least one"):
         ShardedReplay([])
-    with pytest.raises(ValueError, match="timeout must be None or a finite float > 0"):
+    with pytest.raises(ValueError, match="timeout must be a finite number > 0"):
         ShardedReplay([SimpleReplayBuffer(5)], timeout=0)  # every call would time out
     with pytest.raises(ValueError, match="timeout"):
         replay.sample(4, timeout=float("nan"))
@@ -269,7 +270,11 @@ def test_save_and_restore_all_shards_continue_the_rng_streams(ray_cluster, tmp_p
     folder = replay.save(tmp_path / "ckpt")  # a second save replaces the first's files
     files = _files(folder)
     assert [name[:8] for name in files] == ["shard-0-", "shard-1-"]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == files + ["sharded_replay.json"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        ".sharded_replay.lock",  # held by saves (one at a time) and restores
+        *files,
+        "sharded_replay.json",
+    ]
     counts = ray.get(limiter.counts.remote())
     after_save = [replay.sample(16) for _ in range(3)]
     replay.add(make_batch(8, 0, 2))
@@ -300,6 +305,7 @@ def test_save_and_restore_all_shards_continue_the_rng_streams(ray_cluster, tmp_p
 
     # a manifest that lies (hand-edited JSON) is refused with a ValueError, nothing changes
     manifest = json.loads((tmp_path / "ckpt" / "sharded_replay.json").read_text())
+    zero_rng = dict(manifest["rng"], state={"state": 0, "inc": 0})  # numpy: a constant stream
     lies = [
         ("hint", [1.0]),
         ("hint", [1.0, -2.0]),
@@ -308,22 +314,25 @@ def test_save_and_restore_all_shards_continue_the_rng_streams(ray_cluster, tmp_p
         ("hint", [10**400, 1.0]),
         ("rng", dict(manifest["rng"], state={"state": 10**400, "inc": 1})),
         ("rng", dict(manifest["rng"], state={"state": -1, "inc": 1})),
+        ("rng", zero_rng),
+        ("rng", dict(manifest["rng"], bit_generator="MT19937")),
         ("format", 2),  # a checkpoint of an older version: named as such
     ]
+    fresh = ShardedReplay(
+        _prioritized([1, 2]),
+        rate_limiter=RateLimiter.remote(
+            min_size_to_sample=4, samples_per_insert=100.0, error_buffer=1e6
+        ),
+    )
     for i, (key, value) in enumerate(lies):
         bad = tmp_path / f"bad{i}"
         shutil.copytree(tmp_path / "ckpt", bad)
         (bad / "sharded_replay.json").write_text(json.dumps(dict(manifest, **{key: value})))
-        fresh = ShardedReplay(
-            _prioritized([1, 2]),
-            rate_limiter=RateLimiter.remote(
-                min_size_to_sample=4, samples_per_insert=100.0, error_buffer=1e6
-            ),
-        )
         match = {"hint": "hint", "rng": "RNG state", "format": "another version"}[key]
-        with pytest.raises(ValueError, match=match):
+        error = CheckpointNotReadableError if key == "format" else CheckpointDamagedError
+        with pytest.raises(error, match=match):
             fresh.restore(bad)
-        assert fresh.size() == 0
+        assert fresh.size() == 0 and fresh.num_added() == 0
 
 
 class _CodeRunner:
@@ -420,8 +429,10 @@ def test_a_damaged_or_mixed_checkpoint_is_refused_before_any_shard_changes(ray_c
     kill_and_wait(ray, saved.shards[1], saved.shards[1].size.remote)
     with pytest.raises(ReplayShardError, match="replay shard 1 of 2"):
         saved.save(good)
-    assert sorted(p.name for p in (tmp_path / "good").iterdir()) == _files(good) + [
-        "sharded_replay.json"
+    assert sorted(p.name for p in (tmp_path / "good").iterdir()) == [
+        ".sharded_replay.lock",
+        *_files(good),
+        "sharded_replay.json",
     ]
     assert target.restore(good) == 22
 
