@@ -7,19 +7,10 @@ import threading
 import weakref
 from typing import Any
 
-import numpy as np
-
+from coax_utils._checks import check_float, check_int
 from coax_utils.replay import TransitionBatch
 
 __all__ = ["PrefetchingSampler"]
-
-
-def _check_count(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
 
 
 class PrefetchingSampler:
@@ -89,15 +80,11 @@ class PrefetchingSampler:
                     f"replay must have sample_async and update methods (a ShardedReplay), got "
                     f"{type(replay).__name__}"
                 )
-        batch_size = _check_count("batch_size", batch_size, 1)
-        num_in_flight = _check_count("num_in_flight", num_in_flight, 1)
-        self._max_pending = _check_count("max_pending_updates", max_pending_updates, 1)
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.number))
-        ):
-            raise TypeError(f"timeout must be None or a float >= 0, got {timeout!r}")
-        if timeout is not None and not (np.isfinite(timeout) and timeout >= 0):
-            raise ValueError(f"timeout must be None or a float >= 0, got {timeout!r}")
+        batch_size = check_int(batch_size, "batch_size", low=1)
+        num_in_flight = check_int(num_in_flight, "num_in_flight", low=1)
+        self._max_pending = check_int(max_pending_updates, "max_pending_updates", low=1)
+        if timeout is not None:
+            timeout = check_float(timeout, "timeout", low=0.0)
         self._replay = replay
         # the background thread holds the fetcher, not the sampler: a sampler nobody holds
         # is collected, and its finalizer stops the thread

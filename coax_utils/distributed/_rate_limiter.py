@@ -2,50 +2,24 @@
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from typing import Any, ClassVar
 
-import numpy as np
-
+from coax_utils._checks import check_float, check_int
 from coax_utils.distributed._actor import RemoteClass
 
 __all__ = ["RateLimiter"]
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _check_real(name: str, value: Any, low: float, strict: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-        raise TypeError(f"{name} must be a float, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < low or (strict and value == low):
-        op = ">" if strict else ">="
-        raise ValueError(f"{name} must be a finite float {op} {low}, got {value!r}")
-    return value
-
-
-def _check_count(name: str, value: Any, low: int) -> int:
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
-
-
 def _check_timeout(timeout: Any) -> float | None:
-    if timeout is None:
-        return None
-    return _check_real("timeout", timeout, 0.0, strict=False)
+    return None if timeout is None else check_float(timeout, "timeout", low=0.0)
 
 
 def _check_args(min_size_to_sample: int, samples_per_insert: float, error_buffer: float) -> None:
-    _check_count("min_size_to_sample", min_size_to_sample, 1)
-    spi = _check_real("samples_per_insert", samples_per_insert, 0.0, strict=True)
-    eb = _check_real("error_buffer", error_buffer, 0.0, strict=False)
+    check_int(min_size_to_sample, "min_size_to_sample", low=1)
+    spi = check_float(samples_per_insert, "samples_per_insert", low=0.0, low_open=True)
+    eb = check_float(error_buffer, "error_buffer", low=0.0)
     if eb < max(1.0, spi):
         raise ValueError(
             f"error_buffer must be >= max(1, samples_per_insert) = {max(1.0, spi)} so that one "
@@ -149,7 +123,7 @@ class RateLimiter(RemoteClass):
     def _wait(self, kind: str, n: Any, timeout: Any) -> None:
         """Wait until ``n`` may be sampled (``kind="sample"``) or inserted (``"insert"``,
         ``"reserved insert"``), then count them."""
-        n = _check_count("n", n, 0)
+        n = check_int(n, "n", low=0)
         timeout = _check_timeout(timeout)
         if kind == "sample":
             allowed, window, what = self._can_sample, float(n), "a sample"
@@ -262,7 +236,7 @@ class RateLimiter(RemoteClass):
         self._unreserve(n, confirm=False)
 
     def _unreserve(self, n: Any, confirm: bool) -> None:
-        n = _check_count("n", n, 0)
+        n = check_int(n, "n", low=0)
         with self._cond:
             if n > self._reserved:
                 what = "confirm" if confirm else "release"
@@ -285,8 +259,8 @@ class RateLimiter(RemoteClass):
         TypeError, ValueError
             If a count is not an int >= 0; nothing is changed.
         """
-        inserts = _check_count("inserts", inserts, 0)
-        samples = _check_count("samples", samples, 0)
+        inserts = check_int(inserts, "inserts", low=0)
+        samples = check_int(samples, "samples", low=0)
         with self._cond:
             self._inserts, self._samples = inserts, samples
             self._cond.notify_all()
