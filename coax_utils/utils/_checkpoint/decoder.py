@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -118,20 +119,25 @@ def _check_hashes(keys: list) -> None:
             raise ValueError(f"more than {_MAX_SHARED_HASH} keys of a dict or set share a hash")
 
 
+@functools.cache
+def _weak_rebuild() -> tuple[Any, dict]:
+    rebuild, (_, _, _, flags) = jax.device_put(0.0).__reduce__()  # a weak scalar's
+    return rebuild, flags
+
+
 def jax_array(arr: np.ndarray, weak: bool) -> jax.Array:
     """A jax array on the default device holding ``arr``, weakly typed if ``weak``.
 
     The weak type is set the way unpickling a jax array sets it: ``__reduce__`` of a weak
-    array of the same dtype (a Python scalar put on the device) gives the function pickle
-    calls and the type flags it passes; called with the reduction of ``arr``, it puts the
-    data on the device as it is. Nothing is compiled, whatever the shape (eager ops would
-    compile once per shape). Dtypes that have no weak form stay strong.
+    array gives the function pickle calls and the type flags it passes; called with the
+    reduction of ``arr``, it puts the data on the device as it is. Nothing is compiled,
+    whatever the shape (eager ops would compile once per shape). Only the dtypes of Python
+    scalars here (float32, int32, complex64 with x64 off) are weak; others stay strong.
     """
-    scalar = {"f": 0.0, "i": 0, "c": 0j}.get(arr.dtype.kind) if weak else None
-    if scalar is not None:
-        template = jax.device_put(scalar)  # weak, in the dtype of Python scalars here
-        if template.dtype == arr.dtype:
-            rebuild, (_, _, _, flags) = template.__reduce__()
+    if weak and arr.dtype.kind in "fic":
+        python_type = {"f": np.float64, "i": np.int64, "c": np.complex128}[arr.dtype.kind]
+        if jax.dtypes.canonicalize_dtype(python_type) == arr.dtype:
+            rebuild, flags = _weak_rebuild()
             return rebuild(*arr.__reduce__(), flags)
     return jax.device_put(arr)
 

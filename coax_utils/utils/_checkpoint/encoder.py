@@ -167,9 +167,6 @@ class Encoder(Scoped):
         self.reach = max(self.reach, depth + height)
         return ["@", mid]
 
-    def _items(self, items: Any, depth: int) -> list:
-        return [self.node(v, depth) for v in items]
-
     def _pairs(self, pairs: Any, depth: int) -> list:
         out = []
         for k, v in pairs:
@@ -197,7 +194,7 @@ class Encoder(Scoped):
         if t is bytes or t is bytearray:
             return ["y" if t is bytes else "Y", self.add_buffer(memoryview(x).cast("B"))]
         if t in _CONTAINER_TAGS:
-            items = self._items(x, depth)
+            items = [self.node(v, depth) for v in x]
             return [_CONTAINER_TAGS[t], self._define(x), items]
         if t is dict or t is collections.OrderedDict:
             pairs = self._pairs(x.items(), depth)
