@@ -1,63 +1,59 @@
-"""Replay folders: a host buffer saved as one ``.npy`` file per storage array beside a
-``meta.lz4`` file of the rest of its state, and loaded back with every file checked."""
+"""Replay folders: a host buffer saved as one ``.npy`` file (a *leaf*) per storage array beside
+a ``meta.lz4`` file of the rest of its state, and loaded back with every file checked.
+
+Saves go through :func:`coax_utils._files.atomic_folder` (a new folder beside the target,
+fsynced, swapped in with two renames under a lock on the target); loads find the folder with
+:func:`coax_utils._files.resolve_folder` and start again when a concurrent save replaced it
+while it was read.
+
+Every leaf carries a checksum, computed while it is written and recorded in ``meta.lz4``:
+the CRC-32 of the little-endian CRC-32s of the leaf's ``.npy`` header and of the consecutive
+4 MiB chunks of its array data. The chunks are checksummed (and written, or read) by a few
+threads at once, so the checksum costs little next to the file's bytes.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import io
 import math
 import os
 import re
-import secrets
-import shutil
-import time
+import zlib
 from typing import Any
 
 import numpy as np
 
 from coax_utils import utils
 from coax_utils._checks import checked_dtype, is_int
-from coax_utils._files import open_regular_file
+from coax_utils._files import atomic_folder, atomic_write, open_regular_file, resolve_folder
 from coax_utils.replay._host_state import generator_from_record, split_state
 
-__all__ = ["load_folder", "save_folder"]
+__all__ = ["CHUNK_BYTES", "combine_checksums", "load_folder", "save_folder"]
 
-_FOLDER_FORMAT = 2
+_FOLDER_FORMAT = 3  # 3: leaves with sizes and checksums
 _META = "meta.lz4"
+CHUNK_BYTES = 4 << 20  # the unit of the leaf checksums (a format constant: never change it)
+_MAX_HEADER = 1 << 16
+_MAX_THREADS = 4
+_ATTEMPTS = 100  # loads started again because concurrent saves replaced the folder
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def combine_checksums(crcs: list[int]) -> int:
+    """The checksum of a leaf from the CRC-32s of its header and of its data chunks."""
+    return zlib.crc32(np.asarray(crcs, "<u4").tobytes())
 
 
-def _remove_tree(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.remove(path)
+def _threads() -> int:
+    return max(1, min(_MAX_THREADS, os.cpu_count() or 1))
 
 
-def _leftovers(target: str) -> tuple[dict[str, str], dict[str, str]]:
-    """The folders of interrupted saves into ``target``: ``(staged, replaced)`` by token."""
-    parent, base = os.path.split(target)
-    staged, replaced = {}, {}
-    for name in os.listdir(parent):
-        for prefix, found in ((f".{base}.saving-", staged), (f".{base}.old-", replaced)):
-            if name.startswith(prefix):
-                found[name[len(prefix) :]] = os.path.join(parent, name)
-    return staged, replaced
-
-
-def _interrupted_swap(target: str) -> str | None:
-    """The complete new folder of a save killed between its two renames, if ``target`` is
-    missing because of one (the old folder was moved away, the new one not yet moved in)."""
-    if os.path.lexists(target):
-        return None
-    staged, replaced = _leftovers(target)
-    tokens = sorted(set(staged) & set(replaced))
-    return staged[tokens[-1]] if tokens else None
+def _wait_all(futures: list) -> list:
+    """The results of ``futures``, once every one has finished (the first error is raised
+    only then: none may still use a file that the caller closes)."""
+    concurrent.futures.wait(futures)
+    return [f.result() for f in futures]
 
 
 def _is_saved_folder(path: str) -> bool:
@@ -65,74 +61,69 @@ def _is_saved_folder(path: str) -> bool:
     return all(n == _META or re.fullmatch(r"leaf_\d+\.npy", n) for n in names)
 
 
-def _read_npy(path: str, dtype: np.dtype, shape: list, mmap_mode: str | None) -> np.ndarray:
-    """The array of a ``.npy`` file that must hold ``dtype`` and ``shape``, opened once.
-
-    The file must be a regular file, not a link; its header is checked against ``dtype``
-    and ``shape``, and its size against the array's bytes, before anything is allocated or
-    mapped (``np.load`` would allocate whatever a forged header claims).
-    """
-    with open_regular_file(path, follow_links=False) as (fd, size):
-        with open(fd, "rb", closefd=False) as f:
-            version = np.lib.format.read_magic(f)
-            if version not in ((1, 0), (2, 0)):
-                raise ValueError(f"unsupported .npy format version {version}")
-            read = {
-                (1, 0): np.lib.format.read_array_header_1_0,
-                (2, 0): np.lib.format.read_array_header_2_0,
-            }[version]
-            got_shape, fortran, got_dtype = read(f)
-            if got_dtype != dtype or list(got_shape) != shape:
-                raise ValueError(
-                    f"it holds {got_dtype}{list(got_shape)}, the metadata says {dtype}{shape}"
-                )
-            start, nbytes = f.tell(), dtype.itemsize * math.prod(shape)
-            if size < start + nbytes:
-                raise ValueError(f"it is shorter than the {nbytes} bytes of its array")
-            order = "F" if fortran else "C"
-            if mmap_mode is not None and nbytes:
-                return np.memmap(f, dtype, mmap_mode, start, tuple(shape), order)
-            arr = np.empty(shape, dtype, order=order)
-            if nbytes and f.readinto(arr.reshape(-1, order="A").view(np.uint8)) != nbytes:
-                raise ValueError(f"it is shorter than the {nbytes} bytes of its array")
-            return arr
+def _bytes_of(arr: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array, as a flat uint8 array (no copy)."""
+    return arr.reshape(-1).view(np.uint8) if arr.size else np.zeros(0, np.uint8)
 
 
-def _write_npy(path: str, arr: np.ndarray) -> None:
-    with open(path, "wb") as f:
-        np.lib.format.write_array(f, np.asanyarray(arr).view(np.ndarray), allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
+def _npy_header(arr: np.ndarray) -> bytes:
+    f = io.BytesIO()
+    d = {"descr": np.lib.format.dtype_to_descr(arr.dtype), "fortran_order": False}
+    d["shape"] = arr.shape
+    try:
+        np.lib.format.write_array_header_1_0(f, d)
+    except ValueError:  # a header too long for format 1.0
+        np.lib.format.write_array_header_2_0(f, d)
+    return f.getvalue()
+
+
+def _write_leaf(path: str, arr: np.ndarray, pool: Any) -> tuple[int, int]:
+    """Write ``arr`` as the ``.npy`` file ``path`` (through :func:`atomic_write`, so synced);
+    return the file's size and checksum, computed from the bytes as they are written."""
+    arr = np.ascontiguousarray(arr)
+    header, data = _npy_header(arr), _bytes_of(arr)
+    crcs: list[int] = []
+
+    def crc_and_place(place: Any, offset: int, piece: np.ndarray) -> int:
+        crc = zlib.crc32(piece)
+        place(offset, piece)
+        return crc
+
+    def write_all(place: Any) -> None:
+        place(0, header)
+        futures = [
+            pool.submit(crc_and_place, place, len(header) + lo, data[lo : lo + CHUNK_BYTES])
+            for lo in range(0, len(data), CHUNK_BYTES)
+        ]
+        crcs[:] = [zlib.crc32(header), *_wait_all(futures)]
+
+    atomic_write(path, write_all)
+    return len(header) + len(data), combine_checksums(crcs)
 
 
 def save_folder(buffer: Any, path: str | os.PathLike) -> None:
     """Save ``buffer`` to the folder ``path`` (see ``save`` of the host buffers)."""
     target = os.path.abspath(os.fspath(path))
-    parent, base = os.path.split(target)
-    if os.path.lexists(target) and not (
-        os.path.isdir(target) and not os.path.islink(target) and _is_saved_folder(target)
-    ):
-        raise ValueError(
-            f"{target!r} exists and is not a folder written by save(); not replacing it"
-        )
+
+    def check_target() -> None:
+        if os.path.lexists(target) and not (
+            os.path.isdir(target) and not os.path.islink(target) and _is_saved_folder(target)
+        ):
+            raise ValueError(
+                f"{target!r} exists and is not a folder written by save(); not replacing it"
+            )
+
+    check_target()
     meta, arrays, generators = split_state(buffer.__checkpoint_state__())
-    os.makedirs(parent, exist_ok=True)
-    staged, replaced = _leftovers(target)
-    interrupted = _interrupted_swap(target)
-    if interrupted is not None:  # finish the swap of a killed save: it was complete
-        os.rename(interrupted, target)
-        _fsync_path(parent)
-    for leftover in list(staged.values()) + list(replaced.values()):
-        if leftover != interrupted:
-            _remove_tree(leftover)
-    token = f"{time.time_ns():020d}-{secrets.token_hex(4)}"
-    staging = os.path.join(parent, f".{base}.saving-{token}")
-    os.mkdir(staging)
-    try:
+    with (
+        atomic_folder(target) as staging,
+        concurrent.futures.ThreadPoolExecutor(_threads(), "replay-save") as pool,
+    ):
+        check_target()  # again, under the lock
         files = []
         for i, (key, index, arr) in enumerate(arrays):
             file = f"leaf_{i}.npy"
-            _write_npy(os.path.join(staging, file), arr)
+            size, checksum = _write_leaf(os.path.join(staging, file), arr, pool)
             files.append(
                 {
                     "file": file,
@@ -140,6 +131,8 @@ def save_folder(buffer: Any, path: str | os.PathLike) -> None:
                     "index": index,
                     "dtype": arr.dtype.str,
                     "shape": list(arr.shape),
+                    "size": size,
+                    "checksum": checksum,
                 }
             )
         record = {
@@ -149,79 +142,173 @@ def save_folder(buffer: Any, path: str | os.PathLike) -> None:
             "files": files,
             "generators": generators,
         }
-        # written last: marks a complete folder
         utils.dump(record, os.path.join(staging, _META))
-        _fsync_path(staging)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if os.path.lexists(target):
-        old = os.path.join(parent, f".{base}.old-{token}")
-        os.rename(target, old)
-        os.rename(staging, target)
-        _fsync_path(parent)
-        _remove_tree(old)
-    else:
-        os.rename(staging, target)
-    _fsync_path(parent)
 
 
-def load_folder(cls: type, path: str | os.PathLike, mmap_mode: str | None) -> Any:
-    """A buffer of class ``cls`` read from the folder ``path`` (see ``load``)."""
-    if mmap_mode not in ("c", "r", None):
-        hint = " (writing through to a saved folder would break it; use save)"
+# -- loading ------------------------------------------------------------------------------------
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _check_on_disk(fd: int, size: int) -> None:
+    """Refuse a file with holes: its bytes must really be on disk (a sparse file of a few
+    KiB could otherwise declare gigabytes that a load would allocate)."""
+    seek_hole = getattr(os, "SEEK_HOLE", None)
+    if seek_hole is None or size == 0:
+        return
+    try:
+        hole = os.lseek(fd, 0, seek_hole)
+    except OSError:  # the file system cannot tell
+        return
+    if hole < size:
         raise ValueError(
-            f"mmap_mode must be 'c', 'r' or None, got {mmap_mode!r}"
-            + (hint if mmap_mode in ("r+", "w+") else "")
+            f"it is a sparse file: its bytes from {hole} on are a hole, not data on disk"
         )
-    target = os.path.abspath(os.fspath(path))
-    folder = _interrupted_swap(target) or target
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"no saved buffer at {target!r}")
+
+
+def _read_exactly(fd: int, buf: Any, offset: int) -> None:
+    view, done = memoryview(buf), 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise ValueError("it became shorter while it was read")
+        done += n
+
+
+def _read_and_crc(fd: int, buf: np.ndarray, offset: int) -> int:
+    _read_exactly(fd, buf, offset)
+    return zlib.crc32(buf)
+
+
+class _Leaf:
+    """An opened leaf file, checked against its metadata entry before anything is read."""
+
+    def __init__(self, fd: int, size: int, entry: dict) -> None:
+        dtype, shape = entry.get("dtype"), entry.get("shape")
+        if not (isinstance(dtype, str) and isinstance(shape, list) and len(shape) <= 32):
+            raise ValueError("dtype and shape must be recorded")
+        if not all(is_int(d) and d >= 0 for d in shape):
+            raise ValueError(f"invalid shape {shape!r}")
+        self.dtype, self.shape = checked_dtype(dtype, "dtype"), [int(d) for d in shape]
+        self.nbytes = self.dtype.itemsize * math.prod(self.shape)
+        recorded, checksum = entry.get("size"), entry.get("checksum")
+        if not (is_int(recorded) and is_int(checksum) and 0 <= checksum < 2**32):
+            raise ValueError("its size and checksum must be recorded")
+        if size != recorded:
+            raise ValueError(f"it holds {size} bytes, the metadata says {recorded}")
+        _check_on_disk(fd, size)
+        head = os.pread(fd, min(size, _MAX_HEADER), 0)
+        f = io.BytesIO(head)
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"unsupported .npy format version {version}")
+        read = {
+            (1, 0): np.lib.format.read_array_header_1_0,
+            (2, 0): np.lib.format.read_array_header_2_0,
+        }[version]
+        got_shape, fortran, got_dtype = read(f)
+        if got_dtype != self.dtype or list(got_shape) != self.shape or fortran:
+            raise ValueError(
+                f"it holds {got_dtype}{list(got_shape)}, the metadata says {self.dtype}{shape}"
+            )
+        self.start = f.tell()
+        if size != self.start + self.nbytes:
+            raise ValueError(f"its size {size} is not that of its header and array")
+        self.fd, self.checksum = fd, int(checksum)
+        self.header_crc = zlib.crc32(head[: self.start])
+
+    def read(self, mmap_mode: str | None, pool: Any) -> np.ndarray:
+        """The array, read into memory or mapped; ValueError if it fails its checksum."""
+        if mmap_mode is not None and self.nbytes:
+            with open(self.fd, "rb", closefd=False) as f:
+                arr = np.memmap(f, self.dtype, mmap_mode, self.start, tuple(self.shape))
+            data = _bytes_of(arr)
+            futures = [
+                pool.submit(zlib.crc32, data[lo : lo + CHUNK_BYTES])
+                for lo in range(0, self.nbytes, CHUNK_BYTES)
+            ]
+        else:
+            arr = np.empty(self.shape, self.dtype)
+            data = _bytes_of(arr)
+            futures = [
+                pool.submit(_read_and_crc, self.fd, data[lo : lo + CHUNK_BYTES], self.start + lo)
+                for lo in range(0, self.nbytes, CHUNK_BYTES)
+            ]
+        if combine_checksums([self.header_crc, *_wait_all(futures)]) != self.checksum:
+            raise ValueError("it does not match its checksum (damaged, or from another save)")
+        return arr
+
+
+def _read_meta(folder: str, bad: Any) -> dict:
     meta_path = os.path.join(folder, _META)
-
-    def bad(what: str) -> ValueError:
-        return ValueError(f"{folder!r} does not hold a complete saved {cls.__name__}: {what}")
-
     if not os.path.lexists(meta_path):
         raise bad(f"{_META} is missing (an incomplete save)")
-    if os.path.islink(meta_path):  # (utils.load refuses FIFOs, folders and devices)
-        raise bad(f"{_META} is a link, not a regular file")
     try:
-        record = utils.load(meta_path, safe=True)
+        with open_regular_file(meta_path, follow_links=False) as (fd, size):
+            _check_on_disk(fd, size)
+            data = bytearray(size)
+            _read_exactly(fd, data, 0)
+        record = utils.loads(data, safe=True)
     except (ValueError, TypeError, OSError, EOFError) as e:
         raise bad(f"{_META} cannot be read ({e})") from None
     keys = ("format", "class", "state", "files", "generators")
     if not isinstance(record, dict) or set(record) != set(keys):
         raise bad(f"{_META} must hold a dict with the keys {list(keys)}")
+    return record
+
+
+def _load_once(cls: type, folder: str, mmap_mode: str | None, pool: Any) -> Any:
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{folder!r} does not hold a complete saved {cls.__name__}: {what}")
+
+    record = _read_meta(folder, bad)
     if record["class"] != cls.__name__:
         raise bad(f"it holds a {record['class']!r}")
     if record["format"] != _FOLDER_FORMAT:
-        raise bad(f"unsupported format {record['format']!r}")
+        raise bad(f"unsupported format {record['format']!r} (format 3 has leaf checksums)")
     state, files, generators = record["state"], record["files"], record["generators"]
     if not (isinstance(state, dict) and isinstance(files, list)):
         raise bad("state must be a dict and files a list")
     if not isinstance(generators, dict):
         raise bad("generators must be a dict")
     expected = {f"leaf_{i}.npy" for i in range(len(files))} | {_META}
-    if set(os.listdir(folder)) != expected:
-        raise bad(f"it must hold exactly {sorted(expected)}, found {os.listdir(folder)}")
-    state = dict(state)
-    for i, entry in enumerate(files):
-        if not (isinstance(entry, dict) and entry.get("file") == f"leaf_{i}.npy"):
-            raise bad(f"files[{i}] must describe leaf_{i}.npy")
-        arr = _read_leaf(os.path.join(folder, entry["file"]), entry, mmap_mode, bad)
-        key, index = entry.get("key"), entry.get("index")
-        place = state.get(key) if isinstance(key, str) else "missing"
-        if index is None and place is None and key in state:
-            state[key] = arr
-        elif is_int(index) and isinstance(place, list) and 0 <= index < len(place):
-            if place[index] is not None:
-                raise bad(f"files[{i}] points at {key}[{index}], which is not empty")
-            state[key] = place = list(place)
-            place[index] = arr
-        else:
-            raise bad(f"files[{i}] points at {key!r}[{index!r}], not an empty place")
+    found = os.listdir(folder)
+    if set(found) != expected:
+        raise bad(f"it must hold exactly {sorted(expected)}, found {sorted(found)}")
+    with contextlib.ExitStack() as stack:
+        leaves = []  # every leaf opened and checked before any is read
+        for i, entry in enumerate(files):
+            if not (isinstance(entry, dict) and entry.get("file") == f"leaf_{i}.npy"):
+                raise bad(f"files[{i}] must describe leaf_{i}.npy")
+            path = os.path.join(folder, entry["file"])
+            try:
+                fd, size = stack.enter_context(open_regular_file(path, follow_links=False))
+                leaves.append(_Leaf(fd, size, entry))
+            except (TypeError, ValueError, OSError, EOFError) as e:
+                raise bad(f"{entry['file']} cannot be read ({e})") from None
+        state = dict(state)
+        for entry, leaf in zip(files, leaves):
+            try:
+                arr = leaf.read(mmap_mode, pool)
+            except (ValueError, OSError) as e:
+                raise bad(f"{entry['file']} cannot be read ({e})") from None
+            key, index = entry.get("key"), entry.get("index")
+            place = state.get(key) if isinstance(key, str) else "missing"
+            if index is None and place is None and key in state:
+                state[key] = arr
+            elif is_int(index) and isinstance(place, list) and 0 <= index < len(place):
+                if place[index] is not None:
+                    raise bad(f"{entry['file']} points at {key}[{index}], which is not empty")
+                state[key] = place = list(place)
+                place[index] = arr
+            else:
+                raise bad(f"{entry['file']} points at {key!r}[{index!r}], not an empty place")
     for key, generator in generators.items():
         if key not in state or state[key] is not None:
             raise bad(f"generator {key!r} has no empty place in the state")
@@ -235,12 +322,28 @@ def load_folder(cls: type, path: str | os.PathLike, mmap_mode: str | None) -> An
         raise bad(str(e)) from None
 
 
-def _read_leaf(path: str, entry: dict, mmap_mode: str | None, bad: Any) -> np.ndarray:
-        dtype, shape = entry.get("dtype"), entry.get("shape")
-        if not (isinstance(dtype, str) and isinstance(shape, list)):
-            raise bad(f"{entry['file']}: dtype and shape must be recorded")
-        try:
-            np_dtype = checked_dtype(dtype, "dtype")
-            return _read_npy(path, np_dtype, shape, mmap_mode)
-        except (TypeError, ValueError, OSError, EOFError) as e:
-            raise bad(f"{entry['file']} cannot be read ({e})") from None
+def load_folder(cls: type, path: str | os.PathLike, mmap_mode: str | None) -> Any:
+    """A buffer of class ``cls`` read from the folder ``path`` (see ``load``)."""
+    if mmap_mode not in ("c", "r", None):
+        hint = " (writing through to a saved folder would break it; use save)"
+        raise ValueError(
+            f"mmap_mode must be 'c', 'r' or None, got {mmap_mode!r}"
+            + (hint if mmap_mode in ("r+", "w+") else "")
+        )
+    target = os.path.abspath(os.fspath(path))
+    with concurrent.futures.ThreadPoolExecutor(_threads(), "replay-load") as pool:
+        for attempt in range(_ATTEMPTS):
+            folder = resolve_folder(target)
+            before = _identity(folder)
+            if before is None or not os.path.isdir(folder):
+                if attempt + 1 < _ATTEMPTS and _identity(resolve_folder(target)) is not None:
+                    continue  # a concurrent save moved it in the meantime
+                raise FileNotFoundError(f"no saved buffer at {target!r}")
+            try:
+                return _load_once(cls, folder, mmap_mode, pool)
+            except (ValueError, OSError):
+                # a save that replaced the folder while it was read: start again
+                if attempt + 1 < _ATTEMPTS and _identity(resolve_folder(target)) != before:
+                    continue
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover

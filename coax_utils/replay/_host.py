@@ -31,18 +31,19 @@ class _HostBuffer(RingState):
         Each storage array of :meth:`__checkpoint_state__` goes to its own ``leaf_<i>.npy``
         file (streamed from memory, no copy); the rest of the state (counters, episodes,
         priorities, the RNG state, the structure of the transitions) goes to ``meta.lz4``
-        through :func:`coax_utils.utils.dump`. :meth:`load` can memory-map the leaves instead
-        of reading them: the format for large buffers (e.g. millions of Atari frames). For
-        small buffers, ``utils.dump(buffer, path)`` is simpler and equivalent.
+        through :func:`coax_utils.utils.dump`, with the size and a checksum of every leaf
+        (computed while the leaf is written). This is the format for large buffers (e.g.
+        millions of Atari frames); for small ones, ``utils.dump(buffer, path)`` is simpler.
 
         The save is atomic and crash-safe: the files are written to a new folder beside
         ``path`` (same parent), flushed to disk (files and folder), then swapped in with two
         renames; the old folder is removed last. A process killed at any moment leaves a
-        ``path`` that :meth:`load` reads as the complete old or the complete new buffer
-        (between the two renames :meth:`load` finds the new folder beside ``path``), and the
-        next save into ``path`` removes the leftovers. The files of the old folder are never
-        truncated, so saving into the folder a buffer was loaded (and memory-mapped) from
-        keeps every transition, on disk and in memory.
+        ``path`` that :meth:`load` reads as the complete old or the complete new buffer, and
+        a later save removes what it left. The whole save holds a lock on ``path`` (the file
+        ``.<name>.lock`` beside it): a concurrent save into the same folder, from this or
+        another process, waits for it. Saving into the folder a buffer was loaded from keeps
+        every transition, also when it was loaded memory-mapped (the old files are removed,
+        never truncated).
 
         Parameters
         ----------
@@ -61,25 +62,33 @@ class _HostBuffer(RingState):
         save_folder(self, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, mmap_mode: str | None = "c") -> Any:
+    def load(cls, path: str | os.PathLike, mmap_mode: str | None = None) -> Any:
         """Load a buffer written by :meth:`save`.
 
-        Everything read is checked: the metadata, each leaf file's dtype and shape against
-        it, and the whole state through :meth:`__checkpoint_restore__`.
+        Nothing read is trusted. Before any array is read, every leaf file is opened and
+        checked against the metadata: a regular file (not a link or a FIFO), its size in
+        bytes, its bytes really on disk (a sparse file is refused, so a folder of a few KiB
+        cannot make the load allocate gigabytes), its ``.npy`` header. Each leaf is then
+        read once and must match its checksum, and the whole state is checked by
+        :meth:`__checkpoint_restore__`. A save into ``path`` that runs meanwhile makes the
+        load start again on the new folder.
 
         Parameters
         ----------
         path : str or os.PathLike
             The folder given to :meth:`save`.
-        mmap_mode : {"c", "r", None}, optional
-            How the storage files are opened (see :func:`numpy.load`). The default ``"c"``
-            memory-maps them copy-on-write: pages are read lazily from disk and new
-            transitions stay in memory, leaving the files unchanged. ``"r"`` gives a
-            read-only buffer that can be sampled but not added to, and ``None`` reads
-            everything into memory (the arrays read become the storage: no second copy).
-            Writing through to the files (numpy's ``"r+"``) is refused: it would change the
-            saved storage without its metadata, leaving a folder that is neither the saved
-            buffer nor a newer one; call :meth:`save` to persist new transitions.
+        mmap_mode : {None, "c", "r"}, optional
+            The default ``None`` reads the storage into memory: the buffer then depends on
+            no file (the folder may change or go away afterwards). ``"c"`` memory-maps the
+            leaf files copy-on-write (new transitions stay in memory, the files are never
+            written) and ``"r"`` read-only (a buffer that can be sampled, not added to). The
+            checksums are verified at load in every mode (reading each file once), but a
+            mapped buffer keeps reading the files: **a change to a leaf file after the load
+            (by another program; saves never change files in place) changes the stored
+            transitions silently, and a truncated leaf kills the process with SIGBUS on the
+            next sample.** Map only folders that nothing else writes to. Writing through to
+            the files (numpy's ``"r+"``) is refused: it would change the saved storage
+            without its metadata; call :meth:`save` to persist new transitions.
 
         Returns
         -------
@@ -92,8 +101,8 @@ class _HostBuffer(RingState):
             If ``path`` does not exist.
         ValueError
             If the folder is incomplete, does not hold a buffer of this class, holds a file
-            that is not a regular file (a link, a FIFO: none is read), or anything in it is
-            inconsistent; the message names the folder.
+            that is not a regular file, a leaf that fails its size or checksum, or anything
+            inconsistent; the message names the folder and the file.
         """
         return load_folder(cls, path, mmap_mode)
 

@@ -1,7 +1,7 @@
-"""Host buffers: rejected calls change nothing, signed Adv, checkpoint states, folder saves."""
+"""Host buffers: rejected calls change nothing, signed Adv, checkpoint states (folder saves:
+test_host_folders.py)."""
 
 import copy
-import os
 import pickle
 
 import jax
@@ -366,138 +366,6 @@ def test_checkpoint_state_refuses_structures_plain_data_cannot_describe():
     buffer.add(tb.replace(S=Pair(tb.S, tb.S), S_next=Pair(tb.S, tb.S)))
     with pytest.raises(TypeError, match="Pair"):
         buffer.__checkpoint_state__()
-
-
-# -- folders ------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("cls", BUFFERS)
-@pytest.mark.parametrize("mmap_mode", ["c", None])
-def test_resave_into_the_mapped_folder_keeps_every_transition(cls, mmap_mode, tmp_path):
-    path = tmp_path / "buf"
-    filled(cls).save(path)
-    loaded = cls.load(path, mmap_mode=mmap_mode)
-    loaded.add(frames([100]))
-    expected = contents(loaded)
-    loaded.save(path)
-    assert contents(loaded) == expected  # in memory
-    again = cls.load(path)
-    assert contents(again) == expected  # on disk
-    assert snapshot(again) == snapshot(loaded)
-    assert sorted(os.listdir(tmp_path)) == ["buf"]  # no leftovers
-
-
-@pytest.mark.parametrize("cls", BUFFERS)
-def test_incomplete_or_mismatched_folders_raise_value_error(cls, tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    filled(cls, n=13).save(a)
-    cls(10, random_seed=0).save(b)  # empty: fewer files
-    with pytest.raises(FileNotFoundError):
-        cls.load(tmp_path / "missing")
-
-    def damaged(name, damage):
-        path = tmp_path / name
-        filled(cls, n=13).save(path)
-        damage(path)
-        with pytest.raises(ValueError, match=name):
-            cls.load(path)
-
-    damaged("no_meta", lambda p: os.remove(p / "meta.lz4"))
-    damaged("no_leaf", lambda p: os.remove(p / "leaf_1.npy"))
-    damaged("extra", lambda p: open(p / "leaf_99.npy", "wb").close())
-    damaged("truncated_meta", lambda p: os.truncate(p / "meta.lz4", 20))
-    damaged("truncated_leaf", lambda p: os.truncate(p / "leaf_1.npy", 100))
-
-    def swap_leaf(p):
-        np.save(p / "leaf_1.npy", np.zeros((10, 24, 23), np.uint8))
-
-    damaged("shape", swap_leaf)
-
-    def dtype_leaf(p):
-        np.save(p / "leaf_1.npy", np.zeros((10, 24, 24), np.int8))
-
-    damaged("dtype", dtype_leaf)
-
-    def object_leaf(p):
-        np.save(p / "leaf_1.npy", np.zeros((10, 24, 24), object), allow_pickle=True)
-
-    damaged("object", object_leaf)
-
-    def other_meta(p):
-        os.replace(b / "meta.lz4", p / "meta.lz4")
-
-    damaged("mixed", other_meta)
-
-    def fifo(name):
-        def damage(p):
-            os.remove(p / name)
-            os.mkfifo(p / name)  # reading it would block forever
-
-        return damage
-
-    def link(name):
-        def damage(p):
-            elsewhere = p.parent / f"{p.name}_{name}"
-            os.rename(p / name, elsewhere)
-            os.symlink(elsewhere, p / name)  # a valid leaf, but not in the folder
-
-        return damage
-
-    damaged("link_leaf", link("leaf_1.npy"))
-    damaged("fifo_leaf", fifo("leaf_0.npy"))
-    damaged("fifo_meta", fifo("meta.lz4"))
-    other = PrioritizedReplayBuffer if cls is SimpleReplayBuffer else SimpleReplayBuffer
-    with pytest.raises(ValueError, match="holds"):
-        other.load(a)
-
-
-@pytest.mark.parametrize("mmap_mode", ["c", None])
-def test_a_leaf_header_claiming_a_huge_array_is_refused_before_allocating(mmap_mode, tmp_path):
-
-    path = tmp_path / "buf"
-    filled(SimpleReplayBuffer, n=13).save(path)
-    record = utils.load(path / "meta.lz4", safe=True)
-    entry = record["files"][1]
-    huge = [1 << 40] + entry["shape"][1:]  # far more than any machine can allocate
-    with open(path / entry["file"], "wb") as f:
-        header = {"descr": entry["dtype"], "fortran_order": False, "shape": tuple(huge)}
-        np.lib.format.write_array_header_1_0(f, header)
-        f.write(bytes(64))
-    with pytest.raises(ValueError, match="metadata says"):
-        SimpleReplayBuffer.load(path, mmap_mode=mmap_mode)
-    entry["shape"] = huge  # the metadata agrees, the file is far too short
-    utils.dump(record, path / "meta.lz4")
-    with pytest.raises(ValueError, match="shorter"):
-        SimpleReplayBuffer.load(path, mmap_mode=mmap_mode)
-
-
-def test_save_refuses_to_replace_a_folder_it_did_not_write(tmp_path):
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    (tmp_path / "file").write_text("keep me")
-    buffer = filled(SimpleReplayBuffer)
-    for name in ("mine", "file"):
-        with pytest.raises(ValueError, match="not a folder written by save"):
-            buffer.save(tmp_path / name)
-    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
-    assert (tmp_path / "file").read_text() == "keep me"
-
-
-def test_interrupted_saves_are_recovered(tmp_path):
-    """The two states a killed save can leave, built by hand from real saves."""
-    path = tmp_path / "buf"
-    old, new = filled(SimpleReplayBuffer, n=5), filled(SimpleReplayBuffer, n=17)
-    new.save(tmp_path / "new")
-    old.save(path)
-    # killed between the two renames: the old folder moved away, the new one staged
-    os.rename(path, tmp_path / ".buf.old-1")
-    os.rename(tmp_path / "new", tmp_path / ".buf.saving-1")
-    assert contents(SimpleReplayBuffer.load(path)) == contents(new)
-    # killed while staging: a partial folder beside a complete one
-    os.mkdir(tmp_path / ".buf.saving-2")
-    old.save(path)  # rolls the interrupted swap forward, then saves; leftovers removed
-    assert sorted(os.listdir(tmp_path)) == ["buf"]
-    assert contents(SimpleReplayBuffer.load(path)) == contents(old)
 
 
 @pytest.mark.parametrize("cls", BUFFERS)
