@@ -25,6 +25,11 @@ from coax_utils.envs._spaces import Space, canonical_dtype, jax_can_hold
 
 __all__ = ["GymnasiumParams", "GymnasiumState", "GymnasiumToJax"]
 
+# Before jax 0.8.2, an ordered io_callback inside custom_vmap loses its effect (a KeyError
+# on OrderedIOEffect under jit or scan), so the bridge guards against vmap only from 0.8.2 on;
+# before, jax itself refuses to vmap an ordered io_callback, in its own words.
+_GUARD_VMAP = jax.__version_info__ >= (0, 8, 2)
+
 
 @pytree_dataclass
 class GymnasiumState:
@@ -115,7 +120,8 @@ class GymnasiumToJax:
     **Misuse.** The wrapped env has a single state on the host, so the bridge refuses what
     it cannot honour, with a :class:`ValueError` (surfacing from jitted code as a runtime
     error that carries the message): :func:`jax.vmap` over ``reset``/``step`` (use a
-    gymnasium vector env for batches), ``step`` before ``reset``, ``step`` with a stale
+    gymnasium vector env for batches; before jax 0.8.2 the ValueError is jax's own, "Cannot
+    vmap ordered IO callback"), ``step`` before ``reset``, ``step`` with a stale
     state, i.e. any state other than the one returned by the latest ``reset``/``step`` of
     this bridge (e.g. stepping the same state twice), stepping a single env (or a vector env without
     autoreset) whose episode ended in ``step_env`` without a ``reset`` in between, and
@@ -324,6 +330,8 @@ class GymnasiumToJax:
         return call
 
     def _no_vmap(self, fn: Callable, name: str) -> Callable:
+        if not _GUARD_VMAP:
+            return fn
         guarded = jax.custom_batching.custom_vmap(fn)
 
         def refuse(axis_size: int, in_batched: Any, *args: Any) -> Any:

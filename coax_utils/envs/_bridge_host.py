@@ -116,6 +116,25 @@ def cast_action(space: gymnasium.Space, x: Any) -> Any:
     return arr[()] if arr.ndim == 0 else arr
 
 
+def _autoreset_disabled(env: gymnasium.vector.VectorEnv) -> bool:
+    """Whether the vector env's sub-envs never reset themselves (``AutoresetMode.DISABLED``).
+
+    Gymnasium has autoreset modes from 1.1 on; before, every vector env resets its sub-envs
+    on the next step, and a mode that an env declares anyway is refused rather than misread.
+    """
+    mode = getattr(env, "metadata", {}).get("autoreset_mode")
+    modes = getattr(gymnasium.vector, "AutoresetMode", None)
+    if modes is not None:
+        return mode is not None and modes(mode) == modes.DISABLED
+    if mode not in (None, "NextStep"):
+        raise ValueError(
+            f"the vector env declares autoreset_mode {mode!r}, which needs gymnasium 1.1 or "
+            f"newer (installed: {gymnasium.__version__}, whose vector envs reset on the next "
+            "step)"
+        )
+    return False
+
+
 class BridgeHost:
     """The wrapped env of a bridge and its host-side bookkeeping.
 
@@ -158,10 +177,7 @@ class BridgeHost:
         self.env = env
         self.num_envs = int(env.num_envs) if isinstance(env, gymnasium.vector.VectorEnv) else None
         # a vector env whose sub-envs never reset themselves: the bridge resets them
-        self._reset_sub_envs = self.num_envs is not None and (
-            getattr(env, "metadata", {}).get("autoreset_mode")
-            == gymnasium.vector.AutoresetMode.DISABLED
-        )
+        self._reset_sub_envs = self.num_envs is not None and _autoreset_disabled(env)
         self._seed = None if seed is None else int(seed)
         self.obs_space = to_jax_space(env.observation_space)
         check_jax_can_hold(self.obs_space, "the observation space")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import collections.abc
+import inspect
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -646,6 +647,27 @@ class Dict(Space):
 
 _SUPPORTED = "Box, Discrete, MultiDiscrete, MultiBinary, Tuple, Dict"
 
+# gymnasium's Discrete takes a dtype from 1.2.2 on; before, its elements are always int64
+_DISCRETE_TAKES_DTYPE = "dtype" in inspect.signature(gymnasium.spaces.Discrete).parameters
+
+
+def _gymnasium_discrete(n: int, start: int, dtype: np.dtype) -> gymnasium.spaces.Discrete:
+    """``gymnasium.spaces.Discrete(n, start=start, dtype=dtype)``; int64 before gymnasium 1.2.2.
+
+    Its Discrete spaces hold int64 elements only there, so the space keeps every value and
+    only the dtype differs; values beyond int64 are refused with a ValueError.
+    """
+    if _DISCRETE_TAKES_DTYPE:
+        return gymnasium.spaces.Discrete(n, start=start, dtype=dtype)
+    info = np.iinfo(np.int64)
+    if start < info.min or start + n - 1 > info.max:
+        raise ValueError(
+            f"Discrete({n}, start={start}) of dtype {np.dtype(dtype)} has values beyond int64, "
+            f"the only dtype of gymnasium {gymnasium.__version__}'s Discrete spaces "
+            "(gymnasium 1.2.2 and newer take a dtype)"
+        )
+    return gymnasium.spaces.Discrete(n, start=start)
+
 
 def to_jax_space(space: gymnasium.Space) -> Space:
     """Convert a gymnasium space to the equivalent JAX space.
@@ -704,7 +726,8 @@ def to_gymnasium_space(space: Any) -> gymnasium.Space:
     ``n`` or, as in older gymnax releases, ``num_categories`` and no bounds (Discrete),
     with ``low``, ``high``, ``shape`` and ``dtype`` (Box), and with a tuple or dict
     ``spaces`` attribute (Tuple, Dict). A gymnasium space is returned
-    as it is.
+    as it is. Gymnasium's Discrete spaces take a dtype from gymnasium 1.2.2 on; with an
+    older gymnasium a Discrete space becomes an int64 one, with the same elements.
 
     Parameters
     ----------
@@ -732,7 +755,7 @@ def to_gymnasium_space(space: Any) -> gymnasium.Space:
     if isinstance(space, Box):
         return s.Box(space.low, space.high, space.shape, space.dtype)
     if isinstance(space, Discrete):
-        return s.Discrete(space.n, start=space.start, dtype=space.dtype)
+        return _gymnasium_discrete(space.n, space.start, space.dtype)
     if isinstance(space, MultiDiscrete):
         return s.MultiDiscrete(space.nvec, dtype=space.dtype, start=space.start)
     if isinstance(space, MultiBinary):
@@ -746,8 +769,8 @@ def to_gymnasium_space(space: Any) -> gymnasium.Space:
     if not hasattr(space, "low") and (hasattr(space, "n") or hasattr(space, "num_categories")):
         n = getattr(space, "n", None)
         n = getattr(space, "num_categories", None) if n is None else n
-        dtype = np.dtype(getattr(space, "dtype", np.int64))
-        return s.Discrete(_check_int("the number of categories", operator.index(n)), dtype=dtype)
+        n = _check_int("the number of categories", operator.index(n))
+        return _gymnasium_discrete(n, 0, np.dtype(getattr(space, "dtype", np.int64)))
     if all(hasattr(space, a) for a in ("low", "high", "shape", "dtype")):
         dtype, shape = np.dtype(space.dtype), tuple(space.shape)
         low = np.broadcast_to(np.asarray(space.low, dtype), shape)

@@ -147,11 +147,31 @@ class RecordTransitions(gymnasium.Wrapper):
         return obs, reward, terminated, truncated, info
 
 
+def _autoreset_mode(env: gymnasium.vector.VectorEnv) -> str:
+    """The autoreset mode of a vector env: "NextStep", "SameStep" or "Disabled".
+
+    Gymnasium has the modes from 1.1 on; before, every vector env resets on the next step,
+    and a mode that an env declares anyway is refused rather than misread.
+    """
+    mode = env.metadata.get("autoreset_mode", "NextStep")
+    modes = getattr(gymnasium.vector, "AutoresetMode", None)
+    if modes is not None:
+        return modes(mode).value
+    if mode != "NextStep":
+        raise ValueError(
+            f"the vector env declares autoreset_mode {mode!r}, which needs gymnasium 1.1 or "
+            f"newer (installed: {gymnasium.__version__}, whose vector envs reset on the next "
+            "step)"
+        )
+    return mode
+
+
 class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
     r"""Record every transition of a gymnasium vector env into a replay buffer.
 
     Like :class:`RecordTransitions` (which returns this class for vector envs), with one copy
-    of the tracer per sub-env. All three autoreset modes of gymnasium's vector envs are
+    of the tracer per sub-env. All three autoreset modes of gymnasium's vector envs (1.1 and
+    newer; before, they all reset on the next step) are
     supported: with ``NEXT_STEP`` (the default) the reset step that follows an episode end is
     not recorded, with ``SAME_STEP`` the final observation is read from
     ``info["final_obs"]``, and with ``DISABLED`` a masked ``reset`` restarts the tracers of
@@ -176,8 +196,7 @@ class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
         self.tracers = [copy.deepcopy(template) for _ in range(self.num_envs)]
         for t in self.tracers:
             t.reset()
-        mode = env.metadata.get("autoreset_mode", gymnasium.vector.AutoresetMode.NEXT_STEP)
-        self._mode = gymnasium.vector.AutoresetMode(mode)
+        self._mode = _autoreset_mode(env)
         self._obs: Any = None
         self._skip = np.zeros(self.num_envs, bool)
 
@@ -219,7 +238,7 @@ class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
             if self._skip[i]:  # NEXT_STEP autoreset: this step only reset sub-env i
                 continue
             term, trunc = bool(terminated[i]), bool(truncated[i])
-            if self._mode == gymnasium.vector.AutoresetMode.SAME_STEP and (term or trunc):
+            if self._mode == "SameStep" and (term or trunc):
                 s_next = _copy_tree(info["final_obs"][i])
             else:
                 s_next = jax.tree_util.tree_map(lambda x, i=i: x[i], obs_copy)
@@ -233,5 +252,5 @@ class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
             )
             _drain(self.tracers[i], self.buffer, term or trunc)
         ended = np.logical_or(terminated, truncated)
-        self._skip = ended & (self._mode == gymnasium.vector.AutoresetMode.NEXT_STEP)
+        self._skip = ended & (self._mode == "NextStep")
         self._obs = obs_copy
