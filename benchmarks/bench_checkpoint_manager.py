@@ -1,21 +1,32 @@
-"""Training-loop stall per checkpoint: CheckpointManager(background=True) vs a synchronous dump.
+"""Training-loop stall per checkpoint: CheckpointManager(background=True) vs a synchronous dumps.
 
-The state is the agent-like checkpoint of ``bench_checkpoint.py`` (about 250 MB: Haiku-style
-params and an adam state as jax arrays, a replay block of numpy arrays), and the same state
-with every leaf a jax array. Per state, timed round robin after a warm-up, each call after
-an ``os.sync`` and with no save pending:
+States:
 
-- ``utils.dump``: the synchronous dump of the state to a file (the loop waits for all of it);
-- ``manager.save``: how long ``save`` blocks the caller with ``background=True`` (the copy
-  of the state to host memory); compression and writing then run on a background thread.
+- ``agent``: the agent-like checkpoint of ``bench_checkpoint.py`` (about 250 MB: Haiku-style
+  params and an adam state as jax arrays, a replay block of numpy arrays);
+- ``all jax``: the same with every leaf a jax array;
+- ``[x] * 20``: one list ``x`` of 1M Python ints referenced 20 times (the snapshot copies it
+  once; a walk that expands references copies it 20 times);
+- ``cyclic agent``: the agent dict holding itself (a cycle, which ``dump`` puts in the pickle
+  section).
 
-Reported: the medians (min-max), the ratio stall / dump (target: at most 0.15), the time
-until the background save had completed, and how fast a loop of small jitted steps (a
-stand-in for training) ran while the background save was writing, relative to the same
-loop with nothing in the background (the machine's cores are shared with the writer).
+Per state, timed round robin after a warm-up, each call after an ``os.sync`` and with no save
+pending:
 
-Run ``python benchmarks/bench_checkpoint_manager.py`` (about 250 MB; a minute or two) or
-``--quick`` (about 25 MB).
+- ``utils.dumps``: the synchronous serialization of the state (the loop waits for all of it);
+- ``manager.save``: how long ``save`` blocks the caller with ``background=True`` (the snapshot
+  of the state); compression and writing then run on a background thread.
+
+Reported: the medians (min-max) of wall and CPU time (all threads of the process; the stall's
+CPU time also counts what the writer thread does before ``save`` returns), the ratios stall /
+dumps (target: at most 0.15; on a loaded machine the CPU ratio is the steadier), the time until
+the background save had completed, and how fast a loop of small jitted steps (a stand-in for
+training) ran while the background save was writing, relative to the same loop with nothing in
+the background (the machine's cores are shared with the writer). Each restored checkpoint is
+checked against the state.
+
+Run ``python benchmarks/bench_checkpoint_manager.py`` (about 250 MB; a few minutes) or
+``--quick`` (a tenth of the sizes).
 """
 
 from __future__ import annotations
@@ -25,6 +36,8 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +51,7 @@ def train_step(w: jax.Array) -> jax.Array:
     return jnp.tanh(w @ w) * 0.5
 
 
-def steps_per_second(until, w: jax.Array, min_seconds: float = 0.0) -> float:
+def steps_per_second(until: Callable[[], bool], w: jax.Array, min_seconds: float = 0.0) -> float:
     """Run ``train_step`` until ``until()`` is true (and at least ``min_seconds``)."""
     n, t0 = 0, time.perf_counter()
     while not until() or time.perf_counter() - t0 < min_seconds:
@@ -47,25 +60,33 @@ def steps_per_second(until, w: jax.Array, min_seconds: float = 0.0) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def bench_state(name: str, state, folder: str, repeats: int) -> list[str]:
-    folder = tempfile.mkdtemp(dir=folder)
-    dump_path = os.path.join(folder, "dump.ckpt")
-    manager = utils.CheckpointManager(os.path.join(folder, "managed"), max_to_keep=2)
+def bench_state(
+    name: str, size: str, state: Any, check: Callable[[Any], None], folder: str, repeats: int
+) -> tuple[list[str], float, float]:
+    manager = utils.CheckpointManager(tempfile.mkdtemp(dir=folder), max_to_keep=2)
     w = jnp.full((64, 64), 0.01, jnp.float32)
     step = 0
-    dump_s, stall_s, total_s, loop_ratio = [], [], [], []
+    dumps_s: list[float] = []
+    stall_s: list[float] = []
+    dumps_cpu: list[float] = []
+    stall_cpu: list[float] = []
+    total_s: list[float] = []
+    loop_ratio: list[float] = []
 
-    def timed_dump() -> None:
-        t0 = time.perf_counter()
-        utils.dump(state, dump_path)
-        dump_s.append(time.perf_counter() - t0)
+    def timed_dumps() -> None:
+        c0, t0 = time.process_time(), time.perf_counter()
+        blob = utils.dumps(state)
+        dumps_s.append(time.perf_counter() - t0)
+        dumps_cpu.append(time.process_time() - c0)
+        del blob
 
     def timed_save() -> None:
         nonlocal step
         step += 1
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         manager.save(step, state)
         stall_s.append(time.perf_counter() - t0)
+        stall_cpu.append(time.process_time() - c0)
         # train while the background save writes; the step shows up once it is complete
         busy = steps_per_second(lambda: manager.latest_step() == step, w)
         total_s.append(time.perf_counter() - t0)
@@ -73,49 +94,78 @@ def bench_state(name: str, state, folder: str, repeats: int) -> list[str]:
         idle = steps_per_second(lambda: True, w, min_seconds=0.3)
         loop_ratio.append(busy / idle)
 
-    for fn in (timed_dump, timed_save):  # warm-up (jit, page cache, allocator)
+    for fn in (timed_dumps, timed_save):  # warm-up (jit, page cache, allocator)
         os.sync()
         fn()
-    dump_s.clear(), stall_s.clear(), total_s.clear(), loop_ratio.clear()
+    for times in (dumps_s, stall_s, dumps_cpu, stall_cpu, total_s, loop_ratio):
+        times.clear()
     for _ in range(repeats):
-        for fn in (timed_dump, timed_save):
+        for fn in (timed_dumps, timed_save):
             os.sync()
             fn()
-    assert_same(manager.restore(), state)
-    assert_same(utils.load(dump_path), state)
+    check(manager.restore())
     manager.close()
 
     def cell(xs: list[float]) -> str:
         return f"{statistics.median(xs) * 1e3:8.0f} ({min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f})"
 
-    ratio = statistics.median(stall_s) / statistics.median(dump_s)
-    return [
-        f"{name}: {nbytes(state) / 1e6:.0f} MB",
-        f"  utils.dump (synchronous)        ms {cell(dump_s)}",
-        f"  manager.save stall (background) ms {cell(stall_s)}   stall/dump {ratio:.3f}",
-        f"  save until complete             ms {cell(total_s)}",
-        f"  training steps/s during the background write: "
-        f"{statistics.median(loop_ratio):.2f} of the rate without one",
-    ]
+    ratio = statistics.median(stall_s) / statistics.median(dumps_s)
+    cpu_ratio = statistics.median(stall_cpu) / statistics.median(dumps_cpu)
+    return (
+        [
+            f"{name}: {size}",
+            f"  utils.dumps (synchronous)       ms {cell(dumps_s)}   CPU ms {cell(dumps_cpu)}",
+            f"  manager.save stall (background) ms {cell(stall_s)}   CPU ms {cell(stall_cpu)}",
+            f"  stall/dumps: wall {ratio:.3f}, CPU {cpu_ratio:.3f}",
+            f"  save until complete             ms {cell(total_s)}",
+            f"  training steps/s during the background write: "
+            f"{statistics.median(loop_ratio):.2f} of the rate without one",
+        ],
+        ratio,
+        cpu_ratio,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small object, few repeats")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="a tenth of the sizes")
+    parser.add_argument("--scale", type=float, default=None, help="size factor (default 1)")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="folder for the files (default: a temp dir)")
     args = parser.parse_args()
-    scale = 0.1 if args.quick else 1.0
-    repeats = args.repeats or 3
+    scale = args.scale or (0.1 if args.quick else 1.0)
     agent = make_checkpoint(scale)
     all_jax = jax.tree_util.tree_map(jnp.asarray, agent)
+    x = list(range(int(1_000_000 * scale)))
+    cyclic = dict(agent)
+    cyclic["self"] = cyclic
+
+    def same_list(restored: list) -> None:
+        assert len(restored) == 20 and restored[0] == x
+        assert all(item is restored[0] for item in restored)
+
+    def same_cycle(restored: dict) -> None:
+        assert restored["self"] is restored
+        assert_same({k: v for k, v in restored.items() if k != "self"}, agent)
+
+    mb = f"{nbytes(agent) / 1e6:.0f} MB"
+    states = [
+        ("agent (jax params + numpy replay)", mb, agent, lambda r: assert_same(r, agent)),
+        ("all leaves jax arrays", mb, all_jax, lambda r: assert_same(r, all_jax)),
+        ("[x] * 20, x a list of ints", f"{len(x)} ints", [x] * 20, same_list),
+        ("cyclic agent (holds itself)", mb, cyclic, same_cycle),
+    ]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"{os.cpu_count()} CPUs, repeats={repeats}, load average {load:.1f}")
-    out = []
+    print(f"{os.cpu_count()} CPUs, repeats={args.repeats}, load average {load:.1f}")
+    out, ratios, cpu_ratios = [], [], []
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
-        out += bench_state("agent (jax params + numpy replay)", agent, folder, repeats)
-        out += bench_state("all leaves jax arrays", all_jax, folder, repeats)
+        for name, size, state, check in states:
+            lines, ratio, cpu_ratio = bench_state(name, size, state, check, folder, args.repeats)
+            out += lines
+            ratios.append(ratio)
+            cpu_ratios.append(cpu_ratio)
     print("\n".join(out))
+    print(f"largest stall/dumps: wall {max(ratios):.3f}, CPU {max(cpu_ratios):.3f} (target 0.15)")
 
 
 if __name__ == "__main__":
