@@ -107,3 +107,40 @@ def test_objects_that_are_not_data_still_go_to_the_pickle_section_one_by_one():
     s = utils.dumps(obj)
     assert "builtins.builtin_function_or_method at ['f']" in pickle_section_of(s)
     assert utils.loads(s)["f"] is len
+
+
+def has_pickle_section(s: bytes) -> bool:
+    try:
+        utils.loads(s, safe=True)
+    except utils.UnsafeCheckpointError:
+        return True
+    return False
+
+
+def test_at_the_edge_of_the_budget_what_dump_keeps_as_data_loads_in_safe_mode():
+    x = [0] * 50_000  # two bytes of JSON per node: the writer's count is close to the reader's
+    lo, hi = 1, 2000  # [x] * lo is data, [x] * hi is not: find where it changes
+    assert not has_pickle_section(utils.dumps([x] * lo))
+    assert has_pickle_section(utils.dumps([x] * hi))
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if has_pickle_section(utils.dumps([x] * mid)) else (mid, hi)
+    edge = utils.loads(utils.dumps([x] * lo), safe=True)  # the most sharing dump keeps
+    assert len(edge) == lo and all(r is edge[0] for r in edge) and edge[0] == x
+    assert lo > 16  # the budget allows honest sharing well beyond a few copies
+
+
+def test_at_the_edge_of_the_depth_limit_what_dump_keeps_as_data_loads_in_safe_mode():
+    def nested(levels):
+        root = inner = []
+        for _ in range(levels - 1):
+            inner.append([])
+            inner = inner[0]
+        return root
+
+    deepest = next(n for n in range(90, 120) if has_pickle_section(utils.dumps(nested(n))))
+    assert deepest > 100
+    restored = utils.loads(utils.dumps(nested(deepest - 1)), safe=True)
+    for _ in range(deepest - 2):
+        restored = restored[0]
+    assert restored == []
