@@ -147,7 +147,7 @@ class ReplayShard(ReplayServer):
             raise
         del data
         try:
-            ReplayServer._validate_args(buffer)
+            super()._validate_args(buffer)  # TypeError for what is not a replay buffer
         except TypeError as exc:
             raise TypeError(f"{path!r} does not hold a replay buffer: {exc}") from None
         new, old = buffer_kind(buffer), buffer_kind(self._buffer)
