@@ -547,10 +547,11 @@ class PrioritizedReplayBuffer(_HostBuffer):
             raise type(e)(f"{name} state: {e}") from None
         abs_adv = check_state_array(state, "abs_adv", name, np.float64, (self._capacity,))
         top = state["max_abs_adv"]
-        if top is not None and not (
-            isinstance(top, (float, int)) and not isinstance(top, bool) and 0 <= top < np.inf
-        ):
-            raise ValueError(f"{name} state: max_abs_adv must be None or a finite float >= 0")
+        if top is not None:
+            try:
+                top = check_float(top, "max_abs_adv (None or a float)", low=0)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{name} state: {e}") from None
         n = len(self)
         bound = max(1.0 if top is None else top, 1.0)  # rows added without Adv get max(1, top)
         filled = abs_adv[:n]

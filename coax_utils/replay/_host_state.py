@@ -3,6 +3,7 @@ checked restore (``__checkpoint_restore__``), shared by ``utils.dump`` and repla
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -291,9 +292,13 @@ class RingState(RingStorage):
             and all(is_int(d) and d >= 0 for d in shape)
         ):
             raise ValueError(f"{name} state: leaf {i} has an invalid shape {shape!r}")
-        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        if not (is_int(offset) and offset >= 0 and offset % dtype.itemsize == 0):
-            raise ValueError(f"{name} state: leaf {i} has an invalid offset {offset!r}")
+        nbytes = dtype.itemsize * math.prod(int(d) for d in shape)  # Python ints: no wrap
+        try:
+            offset = check_int(offset, f"{name} state: the offset of leaf {i}", low=0)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+        if offset % dtype.itemsize:
+            raise ValueError(f"{name} state: leaf {i} has an unaligned offset {offset}")
         if offset + nbytes > block.shape[1]:
             raise ValueError(
                 f"{name} state: leaf {i} ends at byte {offset + nbytes}, past the "
