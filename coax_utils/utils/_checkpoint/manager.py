@@ -193,7 +193,7 @@ class _Snapshot:
 
 
 class _Writer:
-    """Runs at most one background job at a time and keeps its error for the next ``wait``."""
+    """Runs one background job at a time; its error is raised by the next ``wait``."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
@@ -219,22 +219,18 @@ class _Writer:
             err, self._error = self._error, None
             raise err
 
-
-def _finish(writer: _Writer, lock_fd: int) -> None:
-    """Finish the pending save, then release the folder (close() and interpreter exit)."""
-    try:
-        writer.wait()
-    finally:
-        os.close(lock_fd)
+    def finish(self, lock_fd: int) -> None:
+        """Finish the pending save, then release the folder (close() and interpreter exit)."""
+        try:
+            self.wait()
+        finally:
+            os.close(lock_fd)
 
 
 class CheckpointManager:
-    """Numbered checkpoints of a training run in one folder: background saves, retention,
-    and restore of the newest checkpoint.
-
-    Every :meth:`save` writes one file, ``ckpt_<step, 12 digits>.pkl.lz4``, with
-    :func:`dump` (atomic, checksummed), so that ``ls`` lists the checkpoints in step order.
-    See :doc:`/checkpoint_manager` for a walk-through.
+    """Numbered checkpoints of a training run in one folder (``ckpt_<step, 12 digits>.pkl.lz4``,
+    written with :func:`dump`): background saves, retention, and restore of the newest
+    checkpoint. See :doc:`/checkpoint_manager` for a walk-through.
 
     **Background saves** (``background=True``): :meth:`save` returns once the state is
     copied (jax arrays to host memory, the rest as by :func:`copy.deepcopy`, each object
@@ -341,7 +337,7 @@ class CheckpointManager:
             raise
         self._records_lock = threading.Lock()
         self._writer = _Writer()
-        self._finalizer = weakref.finalize(self, _finish, self._writer, lock_fd)
+        self._finalizer = weakref.finalize(self, self._writer.finish, lock_fd)
 
     # -- folder ------------------------------------------------------------------------------
 
@@ -386,11 +382,8 @@ class CheckpointManager:
     def _retained(self, scores: dict[int, float | None]) -> set[int]:
         steps = sorted(scores)
         keep = set(steps if self._max_to_keep is None else steps[-self._max_to_keep :])
-        if self._keep_every is not None:
-            first_in_window: dict[int, int] = {}
-            for step in steps:
-                first_in_window.setdefault(step // self._keep_every, step)
-            keep.update(first_in_window.values())
+        if self._keep_every is not None:  # the oldest step of each window
+            keep.update({step // self._keep_every: step for step in reversed(steps)}.values())
         best = self._best(scores)
         if best is not None:
             keep.add(best)
