@@ -305,7 +305,8 @@ def jitted_prioritized(capacity, batch_size, reps, rep_seconds, alpha=0.6):
     @functools.partial(jax.jit, donate_argnums=0)
     def ours_step(state, keys, step):
         s = ours.sample(state, keys[step % nkeys], batch_size)
-        state = ours.update(state, s.indices, new_priorities(s.indices, step))
+        # with the versions of the sample: an update for a slot overwritten since is ignored
+        state = ours.update(state, s.indices, new_priorities(s.indices, step), s.versions)
         return state, (s.items, s.weights), step + 1
 
     @functools.partial(jax.jit, donate_argnums=0)

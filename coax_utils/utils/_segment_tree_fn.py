@@ -78,9 +78,66 @@ class SumTreeState:
         that no partial sum overflows; :func:`sum_tree_set` clips larger values to it."""
         return float(jnp.finfo(self.nodes.dtype).max) / (2 * self.num_leaves)
 
+    def __checkpoint_check__(self) -> None:
+        r"""Raise ValueError unless this state (e.g. one restored from a checkpoint) is a
+        consistent tree.
+
+        Checked, on a host copy of ``nodes`` (with any leading batch axes of a
+        :func:`jax.vmap` of trees), vectorised: ``capacity`` is an int ``>= 1`` and
+        ``nodes`` a floating point array of ``2 * num_leaves`` nodes; every node is finite
+        and ``>= 0``; ``nodes[0]`` and the padded leaves are zero; every value is at most
+        :attr:`max_value`; every parent equals the sum of its two children within
+        :math:`\varepsilon` of the dtype times the total (plus the smallest normal number,
+        for hardware that flushes subnormal sums to zero), and no parent is positive above
+        two zero children (sampling would then reach a zero-valued or empty slot). A tree
+        whose node 2 says 0 while node 3 carries the total is refused; honest trees are
+        exact (every parent is recomputed from its children).
+        """
+        _check_tree(self.nodes, self.capacity)
+
 
 def _num_leaves(capacity: int) -> int:
     return 1 << (capacity - 1).bit_length()
+
+
+def _check_tree(nodes: Any, capacity: Any) -> None:
+    """The checks of :meth:`SumTreeState.__checkpoint_check__` (ValueError)."""
+    if not is_int(capacity) or capacity < 1:
+        raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+    if not isinstance(nodes, (np.ndarray, jax.Array)):
+        raise ValueError(f"nodes must be an array, got {type(nodes).__name__}")
+    if not jnp.issubdtype(nodes.dtype, jnp.floating) or nodes.ndim < 1:
+        raise ValueError(f"nodes must be a floating point array, got {nodes.dtype} {nodes.shape}")
+    n = _num_leaves(int(capacity))
+    if nodes.shape[-1] != 2 * n:
+        raise ValueError(
+            f"a tree of capacity {capacity} has {2 * n} nodes, got shape {tuple(nodes.shape)}"
+        )
+    info = jnp.finfo(nodes.dtype)
+    x = np.asarray(nodes)
+    if x.dtype.itemsize < 4:  # float16 / bfloat16: exact in float32, and NumPy is fast there
+        x = x.astype(np.float32)
+    # min / max propagate NaN, which then fails both comparisons
+    if x.size and not (np.min(x) >= 0 and np.max(x) <= float(info.max)):
+        raise ValueError("every node must be finite and >= 0 (no negative, NaN or inf values)")
+    if np.any(x[..., 0] != 0) or np.any(x[..., n + capacity :] != 0):
+        raise ValueError("node 0 and the padded leaves past capacity must be zero")
+    bound = np.asarray(float(info.max) / (2 * n), nodes.dtype).astype(x.dtype)
+    if np.max(x[..., n:]) > bound:
+        raise ValueError(f"a value exceeds max_value {float(bound)}")
+    # each parent is recomputed from its children in the tree's dtype, so honest trees are
+    # exact; the tolerance covers other summation hardware (subnormals flushed to zero)
+    parents, sums = x[..., 1:n], x[..., 2::2] + x[..., 3::2]
+    tol = x.dtype.type(info.eps) * x[..., 1:2] + x.dtype.type(info.tiny)
+    bad = (np.abs(parents - sums) > tol) | ((parents > 0) & (sums == 0))
+    if np.any(bad):
+        k = np.unravel_index(int(np.argmax(bad)), bad.shape)
+        node = k[-1] + 1
+        raise ValueError(
+            f"node {node} holds {float(x[k[:-1] + (node,)])} but its children {2 * node} and "
+            f"{2 * node + 1} sum to {float(sums[k])}: every node must be the sum of its "
+            "children"
+        )
 
 
 def sum_tree_init(capacity: int, dtype: Any = jnp.float32) -> SumTreeState:

@@ -350,13 +350,13 @@ def test_twin_buffers_share_defaults_and_exception_types():
 
 
 def test_row_loop_and_gather_paths_agree(monkeypatch):
-    from coax_utils.replay import _functional
+    from coax_utils.replay import _functional_common
 
     buffer = make_uniform_buffer(50)
     state = jax.jit(buffer.add)(buffer.init(EXAMPLE), items(range(40)))
     key = jax.random.key(4)
     looped = buffer.sample(state, key, 64)  # small items on the CPU: the row loop
-    monkeypatch.setattr(_functional, "_ROW_LOOP_MAX_BYTES", 0)
+    monkeypatch.setattr(_functional_common, "ROW_LOOP_MAX_BYTES", 0)
     # a new buffer: its sample is traced (and compiled) anew, with the new limit
     gathered = make_uniform_buffer(50).sample(state, key, 64)
     for a, b in zip(jax.tree_util.tree_leaves(looped), jax.tree_util.tree_leaves(gathered)):

@@ -489,3 +489,103 @@ def test_values_whose_shape_does_not_match_the_indices_are_refused():
         assert sum_tree_values(out).tolist() == [0, 2, 0, 0, 2, 0, 0, 2]
     out = sum_tree_set(state, jnp.array([[1, 4], [5, 0]]), jnp.array([[1.0, 2.0], [3.0, 4.0]]))
     assert sum_tree_values(out).tolist() == [4, 1, 0, 0, 2, 3, 0, 0]
+
+
+# -- restored states are checked (SumTreeState.__checkpoint_check__) -------------------------
+
+
+def _with_sums(nodes):
+    """``nodes`` (NumPy) with every parent recomputed from its children, in their dtype."""
+    nodes = np.array(nodes)
+    n = nodes.shape[-1] // 2
+    while n > 1:
+        nodes[..., n // 2 : n] = nodes[..., n : 2 * n : 2] + nodes[..., n + 1 : 2 * n : 2]
+        n //= 2
+    return nodes
+
+
+def _reloaded(state, safe=True):
+    return utils.loads(utils.dumps(state), safe=safe)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("capacity", [1, 5, 8])
+def test_honest_trees_round_trip_through_checkpoints(tmp_path, capacity, dtype):
+    state = sum_tree_set(
+        sum_tree_init(capacity, dtype), jnp.arange(capacity), jnp.arange(1.0, capacity + 1)
+    )
+    state = sum_tree_set(state, jnp.array([0]), jnp.array([0.0]))  # a zero leaf is fine
+    utils.dump(state, tmp_path / "tree.lz4")
+    for restored in (utils.load(tmp_path / "tree.lz4", safe=True), _reloaded(state, False)):
+        assert restored.capacity == capacity and restored.nodes.dtype == state.nodes.dtype
+        np.testing.assert_array_equal(np.asarray(restored.nodes), np.asarray(state.nodes))
+    # a vmapped batch of trees, and huge values up to max_value, round trip too
+    batch = jax.vmap(lambda v: sum_tree_set(sum_tree_init(capacity), jnp.arange(capacity), v))(
+        jnp.stack([jnp.ones(capacity), jnp.full(capacity, 3e38)])
+    )
+    np.testing.assert_array_equal(_reloaded(batch).nodes, batch.nodes)
+
+
+def test_a_large_tree_is_checked():
+    n = 2**20
+    values = jnp.asarray(np.random.default_rng(0).random(n), jnp.float32)
+    state = sum_tree_set(sum_tree_init(n), jnp.arange(n), values)
+    state.__checkpoint_check__()  # honest: no error
+    nodes = np.asarray(state.nodes).copy()
+    nodes[n + 12345] += 0.5  # one leaf changed, its ancestors not
+    with pytest.raises(ValueError, match=f"node {(n + 12345) // 2} holds"):
+        state.replace(nodes=nodes).__checkpoint_check__()
+
+
+def _lying_trees():
+    good = np.asarray(
+        sum_tree_set(sum_tree_init(5), jnp.arange(5), jnp.array([1.0, 2.0, 3.0, 4.0, 5.0])).nodes
+    )
+    nodes = good.copy()  # the issue's case: node 2 says 0, node 3 carries the total
+    nodes[2], nodes[3] = 0.0, good[1]
+    yield "node 2 holds 0.0", nodes, 5
+    nodes = good.copy()
+    nodes[8:10] = 0.0  # slots 0 and 1 empty ...
+    nodes = _with_sums(nodes)
+    nodes[4] = 1e-30  # ... under a parent that is positive: far below the tolerance of the
+    yield "node 4 holds", nodes, 5  # sums, but sampling could reach the zero slots
+    leaves = good.copy()
+    leaves[9] = -2.0  # a negative leaf with consistent sums
+    yield "finite and >= 0", _with_sums(leaves), 5
+    leaves = good.copy()
+    leaves[10] = np.nan
+    yield "finite and >= 0", _with_sums(leaves), 5
+    leaves = good.copy()
+    leaves[14] = 7.0  # a padded leaf (capacity 5 of 8 leaves)
+    yield "padded leaves", _with_sums(leaves), 5
+    nodes = good.copy()
+    nodes[0] = 1.0
+    yield "node 0", nodes, 5
+    leaves = good.copy()
+    leaves[8] = np.float32(3e38 / 16 * 1.5)  # above max_value, sums still finite
+    yield "exceeds max_value", _with_sums(leaves), 5
+    yield "has 16 nodes", good[:8], 5
+    yield "floating point", good.astype(np.int32), 5
+    yield "capacity must be an int", good, 5.0
+    yield "capacity must be an int", good, 0
+    yield "has 8 nodes", good, 4  # capacity 4 needs 4 leaves, the nodes have 8
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_lying_trees_are_refused_on_load(case):
+    message, nodes, capacity = list(_lying_trees())[case]
+    state = SumTreeState(nodes=jnp.asarray(nodes), capacity=capacity)
+    data = utils.dumps(state)
+    for safe in (True, False):
+        with pytest.raises(utils.CheckpointDamagedError, match=re.escape(message)):
+            utils.loads(data, safe=safe)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        state.__checkpoint_check__()
+
+
+def test_lying_trees_in_a_batch_are_refused():
+    good = sum_tree_set(sum_tree_init(4), jnp.arange(4), jnp.ones(4))
+    nodes = np.stack([np.asarray(good.nodes)] * 3)
+    nodes[2, 2], nodes[2, 3] = 0.0, 4.0  # the third tree of the batch lies
+    with pytest.raises(utils.CheckpointDamagedError, match="node 2 holds 0.0"):
+        _reloaded(SumTreeState(nodes=jnp.asarray(nodes), capacity=4))
