@@ -4,11 +4,20 @@ import gymnasium
 import jax
 import jax.numpy as jnp
 import numpy as np
+from packaging.version import Version
 
 from coax_utils import envs
 from coax_utils._dataclass import pytree_dataclass, static_field
 
 gs = gymnasium.spaces
+
+# gymnasium's Discrete takes a dtype from 1.2.2 on; before, its elements are always int64
+DISCRETE_TAKES_DTYPE = Version(gymnasium.__version__) >= Version("1.2.2")
+
+
+def gym_discrete_dtype(dtype):
+    """The dtype of a gymnasium Discrete asked for with ``dtype`` (int64 before 1.2.2)."""
+    return np.dtype(dtype if DISCRETE_TAKES_DTYPE else np.int64)
 
 MOVES = np.array([[1, 0], [-1, 0], [0, 1], [0, -1]], np.float32)
 

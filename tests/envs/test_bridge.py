@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 from gymnasium.utils.passive_env_checker import env_render_passive_checker
+from packaging.version import Version
 
 from coax_utils import envs
 from coax_utils.envs import GymnasiumState, GymnasiumToJax, JaxToGymnasium
@@ -123,14 +124,18 @@ def _make_cartpole():
     return gymnasium.make("CartPole-v1")
 
 
-@pytest.mark.parametrize("mode", ["next_step", "same_step"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "next_step",  # gymnasium's default, the only mode before 1.1
+        pytest.param("same_step", marks=pytest.mark.requires(gymnasium="1.1")),
+    ],
+)
 def test_sync_vector_env_gives_batched_steps_with_autoreset(mode):
-    autoreset = {
-        "next_step": gymnasium.vector.AutoresetMode.NEXT_STEP,
-        "same_step": gymnasium.vector.AutoresetMode.SAME_STEP,
-    }[mode]
-
     def make():
+        if mode == "next_step":
+            return gymnasium.vector.SyncVectorEnv([_make_cartpole] * 3)
+        autoreset = gymnasium.vector.AutoresetMode.SAME_STEP
         return gymnasium.vector.SyncVectorEnv([_make_cartpole] * 3, autoreset_mode=autoreset)
 
     actions = np.random.default_rng(2).integers(0, 2, size=(80, 3))
@@ -160,6 +165,17 @@ def test_sync_vector_env_gives_batched_steps_with_autoreset(mode):
         assert not np.array_equal(b_final, b_obs)
 
 
+def test_a_declared_autoreset_mode_needs_gymnasium_1_1():
+    env = gymnasium.vector.SyncVectorEnv([_make_cartpole] * 2)
+    env.metadata = {**env.metadata, "autoreset_mode": "Disabled"}
+    if Version(gymnasium.__version__) >= Version("1.1"):
+        assert GymnasiumToJax(env, seed=0).num_envs == 2  # read as gymnasium reads it
+    else:  # every vector env resets on the next step there: the mode is not misread
+        with pytest.raises(ValueError, match="autoreset_mode 'Disabled'.*gymnasium 1.1"):
+            GymnasiumToJax(env, seed=0)
+
+
+@pytest.mark.requires(gymnasium="1.1")  # gymnasium.vector.AutoresetMode
 def test_vector_env_without_autoreset_is_reset_by_the_bridge():
     # with autoreset_mode DISABLED the sub-envs never reset themselves: stepping on after an
     # end failed on gymnasium's assert, or (python -O) went on past the end of the episode
@@ -209,14 +225,26 @@ def test_async_vector_env_matches_the_sync_one():
     jax.tree_util.tree_map(np.testing.assert_array_equal, bridged, expected)
 
 
-def test_vmap_over_a_single_env_raises():
+def _vmap_over_a_single_env(match):
     benv = GymnasiumToJax(gymnasium.make("CartPole-v1"), seed=0)
     keys = jax.random.split(jax.random.key(0), 4)
-    with pytest.raises(ValueError, match="cannot be vmapped"):
+    with pytest.raises(ValueError, match=match):
         jax.vmap(benv.reset)(keys)
     _, state = benv.reset(keys[0])
-    with pytest.raises(ValueError, match="cannot be vmapped"):
+    with pytest.raises(ValueError, match=match):
         jax.jit(jax.vmap(lambda a: benv.step(keys[0], state, a)))(jnp.zeros(4, jnp.int32))
+    # nothing ran: the env is still at the state of that reset
+    _, _, reward, *_ = jax.jit(benv.step)(None, state, 1)
+    assert float(reward) == 1.0
+
+
+def test_vmap_over_a_single_env_raises():
+    _vmap_over_a_single_env("(?i)cannot (be |`)vmap")  # before jax 0.8.2 in jax's own words
+
+
+@pytest.mark.requires(jax="0.8.2")  # the bridge's own guard: custom_vmap keeps the effect
+def test_vmap_over_a_single_env_raises_naming_the_alternative():
+    _vmap_over_a_single_env("cannot be vmapped.*gymnasium vector env")
 
 
 def test_stale_state_and_out_of_order_calls_raise_without_side_effects():

@@ -11,6 +11,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from coax_utils.envs import GymnasiumToJax, JaxToGymnasium, step_without_autoreset
+from tests.envs._envs import gym_discrete_dtype
 
 CLASSIC = ["CartPole-v1", "Acrobot-v1", "MountainCar-v0", "Pendulum-v1"]
 # gymnasium's advice for Pendulum's [-2, 2] action box, not an error of the bridge
@@ -59,7 +60,9 @@ def test_step_without_autoreset_reads_the_old_discrete_attribute():
 
     from coax_utils.envs import to_gymnasium_space
 
-    assert to_gymnasium_space(OldDiscrete()) == gymnasium.spaces.Discrete(3, dtype=np.int32)
+    space = to_gymnasium_space(OldDiscrete())
+    assert isinstance(space, gymnasium.spaces.Discrete)
+    assert (space.n, space.start, space.dtype) == (3, 0, gym_discrete_dtype(np.int32))
     assert to_gymnasium_space(gymnax.make("Acrobot-v1")[0].action_space(None)).n == 3
 
 
@@ -110,8 +113,9 @@ def test_gymnasium_bridge_matches_the_gymnax_twin_step_by_step(name):
 
 def test_jax_to_gymnasium_discrete_observations_are_in_the_space():
     # FrozenLake-misc observes a Discrete(16) of dtype int32: an int64 scalar is not in it
+    # (gymnasium before 1.2.2 has int64 Discrete spaces only)
     env = JaxToGymnasium(*gymnax.make("FrozenLake-misc"), seed=0)
-    assert env.observation_space.dtype == np.int32
+    assert env.observation_space.dtype == gym_discrete_dtype(np.int32)
     obs, _ = env.reset()
     assert type(obs) is int  # noqa: E721 (exactly a Python int, as gymnasium's envs give)
     assert env.observation_space.contains(obs)
