@@ -31,7 +31,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_replay import report, round_robin  # noqa: E402
 
-from coax_utils.replay import FrameStackReplayBuffer, TransitionBatch  # noqa: E402
+from coax_utils.replay import (  # noqa: E402
+    FrameStackReplayBuffer,
+    PrioritizedFrameStackReplayBuffer,
+    TransitionBatch,
+)
 
 K, SHAPE = 4, (84, 84)
 FRAME_BYTES = int(np.prod(SHAPE))
@@ -151,9 +155,11 @@ def host(capacity: int, reps: int, rep_seconds: float) -> None:
         if ends[t]:
             peer.on_episode_end()
 
+    prio = PrioritizedFrameStackReplayBuffer(capacity, stack_size=K, alpha=0.6, random_seed=0)
     fill = [t for t in range(capacity + 1000) if not ends[t]][:capacity]
     for lo in range(0, capacity, 1000):
         ours.add(batch_of(frames, idx, np.array(fill[lo : lo + 1000])))
+        prio.add(batch_of(frames, idx, np.array(fill[lo : lo + 1000])))
     for t in fill:
         peer_add(t)
     # correctness: both return the stacks of the stream
@@ -193,12 +199,17 @@ def host(capacity: int, reps: int, rep_seconds: float) -> None:
 
     # 3: adding one step each, continuing the stream (both buffers are full: overwrite)
     stream = [t for t in range(capacity + 1000, n - 1) if not ends[t]]
-    pos = {"ours": 0, "peer": 0}
+    pos = {"ours": 0, "peer": 0, "prio": 0}
 
     def ours_add():
         t = stream[pos["ours"] % len(stream)]
         pos["ours"] += 1
         ours.add(batch_of(frames, idx, np.array([t])))
+
+    def prio_add():  # with the largest priority; finds the transitions that lost frames
+        t = stream[pos["prio"] % len(stream)]
+        pos["prio"] += 1
+        prio.add(batch_of(frames, idx, np.array([t])))
 
     def peer_add_next():
         t = stream[pos["peer"] % len(stream)]
@@ -206,12 +217,20 @@ def host(capacity: int, reps: int, rep_seconds: float) -> None:
         peer_add(t)
 
     times = round_robin(
-        {"FrameStackReplayBuffer.add": ours_add, "cpprb add": peer_add_next}, reps, rep_seconds
+        {
+            "FrameStackReplayBuffer.add": ours_add,
+            "PrioritizedFrameStackReplayBuffer.add": prio_add,
+            "cpprb add": peer_add_next,
+        },
+        reps,
+        rep_seconds,
     )
     print("\n3. add one step (full buffers)")
     report("  time per call", times, "FrameStackReplayBuffer.add")
     per_step = (ours.frame_count - len(fill) - episode // 1000) / max(pos["ours"], 1)
     print(f"  frames stored per added step after the fill: {per_step:.3f}")
+    live = sum(1 for _ in prio)  # every held transition keeps its frames (episodes of 1000)
+    print(f"  prioritized: {live} of {len(prio)} held transitions can be sampled")
 
 
 # -- 4: jitted sampling ---------------------------------------------------------------------------

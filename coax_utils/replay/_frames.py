@@ -188,6 +188,9 @@ class PrioritizedFrameStackReplayBuffer(FrameStacks, PrioritizedReplayBuffer):
         floor = self._frame_count - self._frame_capacity  # frames below were overwritten
         safe = floor + max(self._window, self._scan_reach) + 2 * self._stack_size - 1
         start, step, moving = max(self._frontier, self._count - len(self)), 4, True
+        _, s_next, _, _ = self._positions_of_ids()
+        if start < self._count and self._storage[s_next][start % self._capacity, -1] >= safe:
+            return  # (the common case: the first transition shows that all hold their frames)
         while start < self._count:
             slots = np.arange(start, min(start + step, self._count)) % self._capacity
             lo, hi = self._id_range(slots)

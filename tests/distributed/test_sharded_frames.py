@@ -47,6 +47,7 @@ def test_frame_stacked_shards_sample_as_one_local_buffer(ray_cluster):
                 local.add(tr, np.array([x]))
     items = sorted(live[0] | live[1])
     by_rn = {int(tr.Rn[0]): x for trs, a in zip(streams, adv) for tr, x in zip(trs, a)}
+    by_tr = {int(tr.Rn[0]): tr for trs in streams for tr in trs}
     priority = np.array([(abs(by_rn[k]) + EPS) ** ALPHA for k in items])
     P = dict(zip(items, priority / priority.sum()))
 
@@ -66,6 +67,10 @@ def test_frame_stacked_shards_sample_as_one_local_buffer(ray_cluster):
             batch = sample(400)
             rows = batch.Rn.astype(int)
             assert set(rows.tolist()) <= set(items)  # never a transition that lost frames
+            np.testing.assert_array_equal(batch.S, np.stack([by_tr[k].S[0] for k in rows]))
+            np.testing.assert_array_equal(
+                batch.S_next, np.stack([by_tr[k].S_next[0] for k in rows])
+            )
             np.add.at(counts[name], [position[k] for k in rows], 1)
             w = np.array([P[k] ** -BETA for k in rows])  # (N P)^-beta, normalised per batch
             np.testing.assert_allclose(batch.W, w / w.max(), rtol=1e-5)
