@@ -14,9 +14,8 @@ from coax_utils.envs._spaces import (
     MultiDiscrete,
     Space,
     Tuple,
-    to_gymnasium_space,
-    to_jax_space,
 )
+from coax_utils.envs._convert import to_gymnasium_space, to_jax_space
 from coax_utils.envs._step import step_without_autoreset
 
 from coax_utils.utils import register_checkpoint_type as _register

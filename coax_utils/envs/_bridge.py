@@ -21,7 +21,8 @@ from jax.experimental import io_callback
 
 from coax_utils._dataclass import pytree_dataclass
 from coax_utils.envs._bridge_host import BridgeHost
-from coax_utils.envs._spaces import Space, canonical_dtype, jax_can_hold
+from coax_utils.envs._dtypes import canonical_dtype, jax_can_hold
+from coax_utils.envs._spaces import Space
 
 __all__ = ["GymnasiumParams", "GymnasiumState", "GymnasiumToJax"]
 

@@ -18,11 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from coax_utils._checks import check_seed
-from coax_utils.envs._spaces import (
-    canonical_dtype,
-    check_jax_can_hold,
-    to_jax_space,
-)
+from coax_utils.envs._convert import check_jax_can_hold, to_jax_space
+from coax_utils.envs._dtypes import canonical_dtype
 
 __all__ = ["BridgeHost", "Packer", "cast_action"]
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coax_utils.envs._spaces import to_gymnasium_space, to_jax_space
+from coax_utils.envs._convert import to_gymnasium_space, to_jax_space
 from coax_utils.envs._step import step_without_autoreset
 
 __all__ = ["JaxToGymnasium"]

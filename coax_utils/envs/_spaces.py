@@ -1,20 +1,24 @@
-"""JAX counterparts of the gymnasium spaces, and exact conversion in both directions."""
+"""JAX counterparts of the gymnasium spaces (conversion: :mod:`coax_utils.envs._convert`)."""
 
 from __future__ import annotations
 
 import abc
 import collections.abc
-import inspect
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import gymnasium
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from coax_utils._checks import check_int
+from coax_utils.envs._dtypes import (
+    as_array,
+    canonical_dtype,
+    check_int_array,
+    check_representable,
+    false_array,
+)
 
 __all__ = [
     "Box",
@@ -24,100 +28,7 @@ __all__ = [
     "MultiDiscrete",
     "Space",
     "Tuple",
-    "to_gymnasium_space",
-    "to_jax_space",
 ]
-
-
-def canonical_dtype(dtype: Any) -> np.dtype:
-    """The dtype JAX uses for ``dtype`` under the current x64 setting."""
-    return np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype)))
-
-
-def _check_int(name: str, value: Any) -> int:
-    """``value`` as an int; bools, floats and other types are refused with a TypeError."""
-    return check_int(value, name)
-
-
-def _check_int_array(name: str, value: Any) -> np.ndarray:
-    """``value`` as an integer array; booleans and floats are refused with a TypeError."""
-    arr = np.asarray(value)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must hold integers, got {value!r} (dtype {arr.dtype})")
-    return arr
-
-
-def _check_representable(what: str, low: Any, high: Any, dtype: np.dtype) -> None:
-    """Refuse integer values in ``[low, high]`` that the dtype JAX uses cannot hold.
-
-    Without ``jax_enable_x64`` JAX computes with 32-bit integers: a 64-bit space whose
-    values go beyond that range would be sampled wrongly, so it is refused.
-    """
-    cdt = canonical_dtype(dtype)
-    info = np.iinfo(cdt)
-    lo, hi = int(np.min(low)), int(np.max(high))
-    if lo < info.min or hi > info.max:
-        raise ValueError(
-            f"{what} has values in [{lo}, {hi}], beyond the range of {cdt.name}, the dtype JAX "
-            f"uses for {np.dtype(dtype).name} here; enable jax_enable_x64 to use it"
-        )
-
-
-def check_jax_can_hold(space: Space, what: str) -> None:
-    """Refuse a space with integer values that the dtype JAX uses cannot hold.
-
-    Without ``jax_enable_x64`` a 64-bit value becomes 32 bits, so such a value would wrap
-    around (an observation of ``2**33 + 7`` would arrive as ``7``).
-
-    Raises
-    ------
-    ValueError
-        Naming ``what`` and the range that does not fit.
-    """
-    if isinstance(space, (Tuple, Dict)):
-        subspaces = space.spaces.values() if isinstance(space, Dict) else space.spaces
-        for sub in subspaces:
-            check_jax_can_hold(sub, what)
-    elif isinstance(space, Box):
-        if np.issubdtype(space.dtype, np.integer) and space.low.size:
-            _check_representable(f"{what} {space!r}", space.low, space.high, space.dtype)
-    elif isinstance(space, Discrete):
-        top = space.start + space.n - 1
-        _check_representable(f"{what} {space!r}", space.start, top, space.dtype)
-    elif isinstance(space, MultiDiscrete):
-        top = space.start.astype(object) + space.nvec.astype(object) - 1
-        _check_representable(f"{what} {space!r}", space.start, top, space.dtype)
-
-
-def _false() -> jax.Array:
-    return jnp.asarray(False)
-
-
-def jax_can_hold(x: np.ndarray) -> bool:
-    """Whether JAX can hold the host array ``x`` unchanged: False for integers beyond the
-    range of the dtype JAX uses (32 bits without x64, where ``2**32 + 1`` would become 1)."""
-    if not np.issubdtype(x.dtype, np.integer) or not x.size:
-        return True
-    info = np.iinfo(canonical_dtype(x.dtype))
-    return bool(x.min() >= info.min and x.max() <= info.max)
-
-
-def _as_array(x: Any) -> jax.Array | None:
-    """``x`` as a JAX array, or None when it is not array-like (a str, a dict, ...) or holds
-    integers that the dtype JAX uses cannot hold (see :func:`jax_can_hold`)."""
-    if isinstance(x, (str, bytes, Mapping)) or x is None:
-        return None
-    if not isinstance(x, jax.Array):
-        try:
-            x = np.asarray(x)
-        except (TypeError, ValueError, OverflowError):
-            return None
-        if not jax_can_hold(x):
-            return None
-    try:
-        return jnp.asarray(x)
-    except (TypeError, ValueError, OverflowError):
-        return None
 
 
 class Space(abc.ABC):
@@ -252,7 +163,7 @@ class Box(Space):
         cdt = canonical_dtype(self.dtype)
         if not np.issubdtype(self.dtype, np.floating):
             if self.dtype != np.bool_ and self.low.size:
-                _check_representable(repr(self), self.low, self.high, self.dtype)
+                check_representable(repr(self), self.low, self.high, self.dtype)
             wide = canonical_dtype(np.int64)
             info = np.iinfo(wide)
             low = np.clip(self.low.astype(np.float64), info.min, info.max - 1).astype(wide)
@@ -305,10 +216,10 @@ class Box(Space):
             try:
                 x = np.asarray(x, self.dtype)
             except (TypeError, ValueError, OverflowError):
-                return _false()
-        x = _as_array(x)
+                return false_array()
+        x = as_array(x)
         if x is None or x.shape != self.shape or not np.can_cast(x.dtype, cdt):
-            return _false()
+            return false_array()
         low, high = self._bounds(cdt)
         return jnp.all((x >= low) & (x <= high))
 
@@ -349,7 +260,7 @@ class Discrete(Space):
     """
 
     def __init__(self, n: int, start: int = 0, dtype: Any = np.int64) -> None:
-        n, start = _check_int("Discrete n", n), _check_int("Discrete start", start)
+        n, start = check_int(n, "Discrete n"), check_int(start, "Discrete start")
         if n <= 0:
             raise ValueError(f"Discrete needs a positive integer n, got {n!r}")
         self.dtype = np.dtype(dtype)
@@ -372,15 +283,15 @@ class Discrete(Space):
         ValueError
             If the values do not fit in the dtype JAX uses (32-bit without x64).
         """
-        _check_representable(repr(self), self.start, self.start + self.n - 1, self.dtype)
+        check_representable(repr(self), self.start, self.start + self.n - 1, self.dtype)
         cdt = canonical_dtype(self.dtype)
         return (self.start + jax.random.randint(key, (), 0, self.n, dtype=cdt)).astype(cdt)
 
     def contains(self, x: Any) -> jax.Array:
         """Whether ``x`` is an integer scalar in range."""
-        x = _as_array(x)
+        x = as_array(x)
         if x is None or x.shape != () or not jnp.issubdtype(x.dtype, jnp.integer):
-            return _false()
+            return false_array()
         return (x >= self.start) & (x < self.start + self.n)
 
     def shape_dtype(self) -> jax.ShapeDtypeStruct:
@@ -421,10 +332,10 @@ class MultiDiscrete(Space):
         self.dtype = np.dtype(dtype)
         if not np.issubdtype(self.dtype, np.integer):
             raise TypeError(f"MultiDiscrete dtype must be an integer dtype, got {self.dtype}")
-        nvec_in = _check_int_array("MultiDiscrete nvec", nvec)
+        nvec_in = check_int_array("MultiDiscrete nvec", nvec)
         if nvec_in.size == 0 or np.any(nvec_in <= 0):
             raise ValueError(f"MultiDiscrete needs positive entries in nvec, got {nvec!r}")
-        start_in = _check_int_array(
+        start_in = check_int_array(
             "MultiDiscrete start", np.zeros_like(nvec_in) if start is None else start
         )
         info = np.iinfo(self.dtype)
@@ -450,7 +361,7 @@ class MultiDiscrete(Space):
             If the values do not fit in the dtype JAX uses (32-bit without x64).
         """
         top = self.start.astype(object) + self.nvec.astype(object) - 1
-        _check_representable(repr(self), self.start, top, self.dtype)
+        check_representable(repr(self), self.start, top, self.dtype)
         cdt = canonical_dtype(self.dtype)
         nvec = self.nvec.astype(cdt)
         start = self.start.astype(cdt)
@@ -458,9 +369,9 @@ class MultiDiscrete(Space):
 
     def contains(self, x: Any) -> jax.Array:
         """Whether ``x`` is an integer array of the right shape with every entry in range."""
-        x = _as_array(x)
+        x = as_array(x)
         if x is None or x.shape != self.shape or not jnp.issubdtype(x.dtype, jnp.integer):
-            return _false()
+            return false_array()
         return jnp.all((x >= self.start) & (x < self.start + self.nvec))
 
     def shape_dtype(self) -> jax.ShapeDtypeStruct:
@@ -493,10 +404,10 @@ class MultiBinary(Space):
 
     def __init__(self, n: int | Sequence[int]) -> None:
         if isinstance(n, (int, np.integer, bool, np.bool_)):
-            self.n: int | tuple[int, ...] = _check_int("MultiBinary n", n)
+            self.n: int | tuple[int, ...] = check_int(n, "MultiBinary n")
             self.shape = (self.n,)
         else:
-            self.n = tuple(_check_int("MultiBinary n", d) for d in n)
+            self.n = tuple(check_int(d, "MultiBinary n") for d in n)
             self.shape = self.n
         if any(d <= 0 for d in self.shape):
             raise ValueError(f"MultiBinary needs positive sizes, got {n!r}")
@@ -508,9 +419,9 @@ class MultiBinary(Space):
 
     def contains(self, x: Any) -> jax.Array:
         """Whether ``x`` has the right shape and only zeros and ones."""
-        x = _as_array(x)
+        x = as_array(x)
         if x is None or x.shape != self.shape:
-            return _false()
+            return false_array()
         return jnp.all((x == 0) | (x == 1))
 
     def shape_dtype(self) -> jax.ShapeDtypeStruct:
@@ -559,7 +470,7 @@ class Tuple(Space):
     def contains(self, x: Any) -> jax.Array:
         """Whether ``x`` is a tuple (or list) of matching length with every item contained."""
         if not isinstance(x, (tuple, list)) or len(x) != len(self.spaces):
-            return _false()
+            return false_array()
         out = jnp.asarray(True)
         for s, xi in zip(self.spaces, x):
             out = out & s.contains(xi)
@@ -617,7 +528,7 @@ class Dict(Space):
     def contains(self, x: Any) -> jax.Array:
         """Whether ``x`` is a mapping with exactly these keys and every value contained."""
         if not isinstance(x, Mapping) or set(x) != set(self.spaces):
-            return _false()
+            return false_array()
         out = jnp.asarray(True)
         for k, s in self.spaces.items():
             out = out & s.contains(x[k])
@@ -643,145 +554,3 @@ class Dict(Space):
     def __repr__(self) -> str:
         items = ", ".join(f"{k!r}: {s!r}" for k, s in self.spaces.items())
         return f"Dict({{{items}}})"
-
-
-_SUPPORTED = "Box, Discrete, MultiDiscrete, MultiBinary, Tuple, Dict"
-
-# gymnasium's Discrete takes a dtype from 1.2.2 on; before, its elements are always int64
-_DISCRETE_TAKES_DTYPE = "dtype" in inspect.signature(gymnasium.spaces.Discrete).parameters
-
-
-def _gymnasium_discrete(n: int, start: int, dtype: np.dtype) -> gymnasium.spaces.Discrete:
-    """``gymnasium.spaces.Discrete(n, start=start, dtype=dtype)``; int64 before gymnasium 1.2.2.
-
-    Its Discrete spaces hold int64 elements only there, so the space keeps every value and
-    only the dtype differs; values beyond int64 are refused with a ValueError.
-    """
-    if _DISCRETE_TAKES_DTYPE:
-        return gymnasium.spaces.Discrete(n, start=start, dtype=dtype)
-    info = np.iinfo(np.int64)
-    if start < info.min or start + n - 1 > info.max:
-        raise ValueError(
-            f"Discrete({n}, start={start}) of dtype {np.dtype(dtype)} has values beyond int64, "
-            f"the only dtype of gymnasium {gymnasium.__version__}'s Discrete spaces "
-            "(gymnasium 1.2.2 and newer take a dtype)"
-        )
-    return gymnasium.spaces.Discrete(n, start=start)
-
-
-def to_jax_space(space: gymnasium.Space) -> Space:
-    """Convert a gymnasium space to the equivalent JAX space.
-
-    Bounds, dtypes, ``start`` offsets and nesting are kept exactly, so
-    ``to_gymnasium_space(to_jax_space(s))`` equals ``s``.
-
-    Parameters
-    ----------
-    space : gymnasium.Space
-        A Box, Discrete, MultiDiscrete, MultiBinary, Tuple or Dict space (nested freely).
-
-    Returns
-    -------
-    Space
-        The JAX space.
-
-    Raises
-    ------
-    TypeError
-        For spaces without a fixed-shape array form (Text, Graph, Sequence, OneOf, ...) or
-        objects that are not gymnasium spaces.
-
-    Examples
-    --------
-    >>> import gymnasium
-    >>> to_jax_space(gymnasium.spaces.Discrete(3, start=-1))
-    Discrete(3, start=-1)
-    """
-    s = gymnasium.spaces
-    if isinstance(space, s.Box):
-        return Box(space.low, space.high, space.shape, space.dtype)
-    if isinstance(space, s.Discrete):
-        return Discrete(int(space.n), int(space.start), space.dtype)
-    if isinstance(space, s.MultiDiscrete):
-        return MultiDiscrete(space.nvec, space.dtype, space.start)
-    if isinstance(space, s.MultiBinary):
-        return MultiBinary(space.n)
-    if isinstance(space, s.Tuple):
-        return Tuple([to_jax_space(sp) for sp in space.spaces])
-    if isinstance(space, s.Dict):
-        return Dict({k: to_jax_space(sp) for k, sp in space.spaces.items()})
-    if isinstance(space, Space):
-        return space
-    name = type(space).__name__
-    raise TypeError(
-        f"cannot convert the {name} space {space!r} to a JAX space: it has no fixed-shape "
-        f"array form; supported spaces are {_SUPPORTED}"
-    )
-
-
-def to_gymnasium_space(space: Any) -> gymnasium.Space:
-    """Convert a JAX space (or a gymnax-style space) to the equivalent gymnasium space.
-
-    Besides this module's spaces, duck-typed gymnax spaces are understood: objects with
-    ``n`` or, as in older gymnax releases, ``num_categories`` and no bounds (Discrete),
-    with ``low``, ``high``, ``shape`` and ``dtype`` (Box), and with a tuple or dict
-    ``spaces`` attribute (Tuple, Dict). A gymnasium space is returned
-    as it is. Gymnasium's Discrete spaces take a dtype from gymnasium 1.2.2 on; with an
-    older gymnasium a Discrete space becomes an int64 one, with the same elements.
-
-    Parameters
-    ----------
-    space : Space
-        The space to convert.
-
-    Returns
-    -------
-    gymnasium.Space
-        The gymnasium space.
-
-    Raises
-    ------
-    TypeError
-        When ``space`` is not a space of a supported kind.
-
-    Examples
-    --------
-    >>> to_gymnasium_space(Box(0.0, 1.0, (2,)))
-    Box(0.0, 1.0, (2,), float32)
-    """
-    s = gymnasium.spaces
-    if isinstance(space, gymnasium.Space):
-        return space
-    if isinstance(space, Box):
-        return s.Box(space.low, space.high, space.shape, space.dtype)
-    if isinstance(space, Discrete):
-        return _gymnasium_discrete(space.n, space.start, space.dtype)
-    if isinstance(space, MultiDiscrete):
-        return s.MultiDiscrete(space.nvec, dtype=space.dtype, start=space.start)
-    if isinstance(space, MultiBinary):
-        return s.MultiBinary(space.n)
-    if isinstance(space, Tuple):
-        return s.Tuple([to_gymnasium_space(sp) for sp in space.spaces])
-    if isinstance(space, Dict):
-        return s.Dict([(k, to_gymnasium_space(sp)) for k, sp in space.spaces.items()])
-    # duck-typed gymnax spaces: Discrete has ``n`` (gymnax >= 0.0.6) or ``num_categories``
-    # (older releases), and no bounds
-    if not hasattr(space, "low") and (hasattr(space, "n") or hasattr(space, "num_categories")):
-        n = getattr(space, "n", None)
-        n = getattr(space, "num_categories", None) if n is None else n
-        n = _check_int("the number of categories", operator.index(n))
-        return _gymnasium_discrete(n, 0, np.dtype(getattr(space, "dtype", np.int64)))
-    if all(hasattr(space, a) for a in ("low", "high", "shape", "dtype")):
-        dtype, shape = np.dtype(space.dtype), tuple(space.shape)
-        low = np.broadcast_to(np.asarray(space.low, dtype), shape)
-        high = np.broadcast_to(np.asarray(space.high, dtype), shape)
-        return s.Box(low, high, shape, dtype)
-    sub = getattr(space, "spaces", None)
-    if isinstance(sub, Mapping):
-        return s.Dict([(k, to_gymnasium_space(sp)) for k, sp in sub.items()])
-    if isinstance(sub, (tuple, list)):
-        return s.Tuple([to_gymnasium_space(sp) for sp in sub])
-    raise TypeError(
-        f"cannot convert {type(space).__name__} {space!r} to a gymnasium space; supported "
-        f"spaces are {_SUPPORTED} (JAX or gymnax-style)"
-    )
