@@ -8,6 +8,7 @@ FLOOR_VENV := .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python
 FLOOR_STAMP := $(FLOOR_VENV)/.installed-floor
 GYMNAX := gymnax==1.0.1
+FLOOR_DOCS := ['-W', '--keep-going', '-q', '-b', 'html', 'doc', 'doc/_build/html-floor']
 
 .PHONY: demo test test-floor lint docs bench install clean
 
@@ -41,13 +42,12 @@ test: $(STAMP)
 
 # The suite, lint and docs on the declared floors (constraints/floor.txt); tests marked
 # requires(...) with a newer version are skipped, each naming the version it needs.
-# Sphinx imports modules with typing.TYPE_CHECKING set, which Ray 2.40 does not survive
-# as a first import: the docs build imports ray first.
+# Sphinx imports modules with typing.TYPE_CHECKING set, which older Ray releases do not
+# survive as a first import: the docs build imports ray first.
 test-floor: $(FLOOR_STAMP)
 	COAX_UTILS_FLOOR_JOB=1 MUJOCO_GL=egl RAY_AUTH_MODE=disabled $(FLOOR_PY) -m pytest
 	$(FLOOR_PY) -m ruff check coax_utils tests examples benchmarks
-	$(FLOOR_PY) -c "import ray; from sphinx.cmd.build import main; \
-		raise SystemExit(main(['-W', '--keep-going', '-q', '-b', 'html', 'doc', 'doc/_build/html-floor']))"
+	$(FLOOR_PY) -c "import ray, sphinx.cmd.build as b; raise SystemExit(b.main($(FLOOR_DOCS)))"
 
 lint: $(STAMP)
 	$(PY) -m ruff check coax_utils tests examples benchmarks
