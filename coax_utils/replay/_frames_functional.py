@@ -324,8 +324,10 @@ def make_prioritized_frame_stack_buffer(
     buffer : PrioritizedFrameStackBuffer
         ``init(example_transition)``, ``add(state, transition_batch)``,
         ``sample(state, key, batch_size, beta=None)``, ``update(state, indices,
-        priorities)`` and ``can_sample(state, batch_size)`` (false while no transition with
-        all its frames is stored), all jittable (``batch_size`` static) and donation-friendly;
+        priorities, versions=None)`` (pass the sample's ``versions``: an update of a slot
+        written since it was sampled is ignored, as by the host buffer) and
+        ``can_sample(state, batch_size)`` (false while no transition with all its frames is
+        stored), all jittable (``batch_size`` static) and donation-friendly;
         ``add``, ``sample`` and ``update`` come compiled, as those of
         :func:`make_prioritized_buffer`.
 
@@ -418,19 +420,27 @@ def make_prioritized_frame_stack_buffer(
     compiled_sample = compiled(sample_traced, (2,))
 
     def update(
-        state: PrioritizedFrameStackBufferState, indices: jax.Array, priorities: jax.Array
+        state: PrioritizedFrameStackBufferState,
+        indices: jax.Array,
+        priorities: jax.Array,
+        versions: jax.Array | None = None,
     ) -> PrioritizedFrameStackBufferState:
-        return compiled_update(state, *host_indices(indices, priorities, capacity))
+        return compiled_update(state, *host_indices(indices, priorities, capacity), versions)
 
     def update_traced(
-        state: PrioritizedFrameStackBufferState, indices: jax.Array, priorities: jax.Array
+        state: PrioritizedFrameStackBufferState,
+        indices: jax.Array,
+        priorities: jax.Array,
+        versions: jax.Array | None,
     ) -> PrioritizedFrameStackBufferState:
         ring.check_state(state, capacity)
         indices, valid = checked_indices(indices, capacity)
         slots = jnp.maximum(indices, 0)
         lost = ring.lost(state.transitions.items, state.frame_count, slots)
         indices = jnp.where(valid & ~lost, indices, -1)
-        return state.replace(transitions=inner.update(state.transitions, indices, priorities))
+        # (the versions of a sample: the inner buffer ignores slots written since)
+        transitions = inner.update(state.transitions, indices, priorities, versions)
+        return state.replace(transitions=transitions)
 
     compiled_update = compiled(update_traced)
 
@@ -441,7 +451,10 @@ def make_prioritized_frame_stack_buffer(
     init.__doc__ = "Allocate the state for transitions shaped like ``example`` (no batch axis)."
     add.__doc__ = "Add a batch of transitions with the maximum priority; return the new state."
     sample.__doc__ = "Sample ``batch_size`` (static) transitions by priority, with IS weights."
-    update.__doc__ = "Set the priorities of the slots ``indices``; return the new state."
+    update.__doc__ = (
+        "Set the priorities of the slots ``indices`` (with a sample's ``versions``, only of "
+        "those not written since); return the new state."
+    )
     can_sample.__doc__ = "Whether ``batch_size`` transitions with all their frames are stored."
     return PrioritizedFrameStackBuffer(
         init=init,

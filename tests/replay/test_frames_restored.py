@@ -118,3 +118,25 @@ def test_lying_prioritized_fields_are_refused(prioritized):
     refused(state.replace(birth=state.birth[::-1]), "birth")
     refused(state.replace(birth=state.birth.at[int(state.transitions.pos) - 1].set(0)), "birth")
     assert float(np.asarray(sum_tree_values(tree))[lost].max()) == 0.0
+
+
+def test_an_update_of_a_slot_written_since_the_sample_is_ignored():
+    # the stale-index rule of the prioritized twins, through the frame-stacked buffer: the
+    # sample's versions go with its indices
+    buf = make_prioritized_frame_stack_buffer(8, stack_size=K, frame_capacity=40)
+    trs = stream(20, 100)
+    state = buf.init(jax.tree_util.tree_map(lambda x: x[0], trs[0]))
+    for tr in trs[:8]:
+        state = buf.add(state, tr)
+    drawn = buf.sample(state, jax.random.PRNGKey(0), 64)
+    slots = np.unique(np.asarray(drawn.indices))
+    versions = np.asarray(drawn.versions)[np.unique(np.asarray(drawn.indices), True)[1]]
+    for tr in trs[8:11]:  # overwrites slots 0, 1, 2
+        state = buf.add(state, tr)
+    before = np.asarray(sum_tree_values(state.transitions.tree))
+    state = buf.update(state, jnp.asarray(slots), jnp.full(len(slots), 5.0), versions)
+    after = np.asarray(sum_tree_values(state.transitions.tree))
+    written = slots < 3
+    assert written.any() and (~written).any()
+    np.testing.assert_array_equal(after[slots[written]], before[slots[written]])
+    np.testing.assert_allclose(after[slots[~written]], (5.0 + 1e-4) ** 1.0, rtol=1e-6)
