@@ -521,7 +521,7 @@ def _cpu_by_role() -> dict[str, float]:
         cmd = " ".join(proc.info["cmdline"] or [])
         if proc.info["pid"] == me:
             role = "driver"
-        elif "ray::_Shard" in cmd:
+        elif "ray::ReplayShard" in cmd:
             role = "shards"
         elif "ray::Writer" in cmd:
             role = "writers"

@@ -36,7 +36,10 @@ ALLOWED = {
     "sources": {"utils", "envs"},
     "distributed": {"utils", "replay"},
 }
-FORBIDDEN_MODULES = {"coax_utils.replay._functional": {"coax_utils.replay._host"}}
+# the jittable buffers build on no module of the host buffers
+_HOST = {"coax_utils.replay._host", "coax_utils.replay._ring", "coax_utils.replay._host_state",
+         "coax_utils.replay._folders"}
+FORBIDDEN_MODULES = {"coax_utils.replay._functional": _HOST}
 # (importing module, enclosing function, imported module): the lazy re-export
 EXCEPTIONS = {("coax_utils.utils", "__getattr__", "coax_utils.replay")}
 

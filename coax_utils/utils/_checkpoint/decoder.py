@@ -379,9 +379,13 @@ class Decoder(Scoped):
             fields = tuple(f.name for f in dataclasses.fields(cls))
         else:
             raise ValueError(f"type {name!r} is not a NamedTuple or dataclass")
-        if set(values) != set(fields) or len(values) != len(pairs):
-            raise ValueError(
-                f"{name} has fields {list(fields)}, the file gives {str(list(values))[:200]}"
+        if len(values) != len(pairs):
+            raise ValueError(f"{name} is given a field twice")
+        if set(values) != set(fields):  # a file of another version of the class
+            raise CheckpointNotReadableError(
+                f"{name} has fields {list(fields)} here, the file gives "
+                f"{str(list(values))[:200]}: it was written with another version of {name}; "
+                "load it with that version and save its data again"
             )
         if is_namedtuple(cls):
             obj = tuple.__new__(cls, [values[f] for f in fields])
