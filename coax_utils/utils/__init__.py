@@ -90,8 +90,8 @@ from coax_utils.utils._envs import safe_sample
 from coax_utils.utils._gif import generate_gif
 
 __all__ = [
-    "CheckpointManager",
     "CheckpointDamagedError",
+    "CheckpointManager",
     "CheckpointNotReadableError",
     "MaxTree",
     "MinTree",
