@@ -81,6 +81,7 @@ def test_default_tracer_and_validation():
         RecordTransitions(gymnasium.make("CartPole-v1"), object())
 
 
+@pytest.mark.requires(gymnasium="1.1")
 @pytest.mark.parametrize("mode", ["NextStep", "SameStep"])
 def test_vector_env_one_tracer_per_sub_env(mode):
     num_envs = 3

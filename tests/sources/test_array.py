@@ -155,6 +155,7 @@ def test_int64_data_beyond_int32_is_refused_without_x64():
         ArraySource(np.array([2**40, 1, 5], np.int64))
 
 
+@pytest.mark.requires(jax="0.8")
 def test_int64_data_is_kept_exact_with_x64():
     with jax.enable_x64(True):
         source = ArraySource(np.array([2**40, 1, 5], np.int64), ordering="sequential")

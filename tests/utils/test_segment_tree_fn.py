@@ -262,6 +262,7 @@ def _exported_text(fn, platform, *args):
     return jax.export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
 
 
+@pytest.mark.requires(jax="0.8")
 def test_auto_strategy_follows_the_platform_it_is_compiled_for():
     # "auto" is resolved when lowering for the target device, not from the default backend:
     # lowered for CUDA or TPU (possible without such a device) the program holds the
@@ -366,6 +367,7 @@ def test_vmap_over_a_batch_of_states():
     assert set(np.asarray(samples[2]).tolist()) == {4}
 
 
+@pytest.mark.requires(jax="0.8")
 def test_float64_state_agrees_with_host_sum_tree():
     with jax.enable_x64(True):
         rng = np.random.default_rng(5)
