@@ -190,7 +190,7 @@ def make_train_chunk(source: GymnaxSource, chunk_size: int, warmup: int, total_s
         updates, opt_state = optimizer.update(grads, learner.opt_state, learner.params)
         params = optax.apply_updates(learner.params, updates)
         target_params = optax.incremental_update(params, learner.target_params, TARGET_TAU)
-        buffer_state = buffer.update(buffer_state, sample.indices, td_error)
+        buffer_state = buffer.update(buffer_state, sample.indices, td_error, sample.versions)
         return Learner(params, target_params, opt_state), buffer_state, loss
 
     def skip(learner, buffer_state, key, step):

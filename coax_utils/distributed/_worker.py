@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from coax_utils._checks import check_float, check_seed, is_int
+from coax_utils._checks import check_float, check_int, check_seed, is_int
 from coax_utils.distributed._actor import RemoteClass, wait_ready
 from coax_utils.replay import NStep, TransitionBatch
 
@@ -55,8 +55,7 @@ def _check_args(
         ("sync_every", sync_every, 1),
         ("max_in_flight", max_in_flight, 0),
     ):
-        if not is_int(value) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int(value, name, low=low)
     check_float(gamma, "gamma", 0.0, 1.0)
     check_seed(seed, "seed")
 

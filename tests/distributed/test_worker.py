@@ -203,7 +203,7 @@ def test_worker_errors(ray_cluster):
         RolloutWorker.remote(ENV, "greedy", server, 0)
     with pytest.raises(TypeError, match="server"):
         RolloutWorker.remote(ENV, greedy, SimpleReplayBuffer(capacity=100), 0)
-    with pytest.raises(ValueError, match="n must be an int >= 1"):
+    with pytest.raises(ValueError, match="n must be >= 1"):
         RolloutWorker.remote(ENV, greedy, server, 0, n=0)
     with pytest.raises(ValueError, match="gamma"):
         RolloutWorker.remote(ENV, greedy, server, 0, gamma=1.5)
