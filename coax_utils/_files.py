@@ -38,6 +38,7 @@ __all__ = [
     "open_regular_file",
     "remove_stale_temps",
     "resolve_folder",
+    "write_file",
 ]
 
 _TEMP = re.compile(r"\.coax_utils-([0-9]+)-[0-9a-f]{12}\.tmp\Z")
@@ -93,15 +94,41 @@ def _pwrite_all(fd: int, piece: Any, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
+def write_file(
+    path: str, write_all: Callable[[Callable[[int, Any], None]], None], mode: int | None = None
+) -> None:
+    """Create the new file ``path`` (it must not exist), fill it and fsync it.
+
+    ``write_all(place)`` produces the content by calling ``place(offset, piece)`` for pieces
+    (bytes-like) that together cover the file; ``place`` may be called from several threads
+    at once. ``mode``, if given, is set before any byte is written (otherwise the umask's
+    default). A failure removes the file. Not atomic by itself: used for a temp file that is
+    renamed afterwards (:func:`atomic_write`), or inside a folder that is swapped in whole
+    (:func:`atomic_folder`).
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        try:
+            if mode is not None:
+                os.fchmod(fd, mode)
+            write_all(lambda offset, piece: _pwrite_all(fd, piece, offset))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+
+
 def atomic_write(path: str, write_all: Callable[[Callable[[int, Any], None]], None]) -> None:
     """Write the file ``path`` atomically: temp file in the same folder, fsync, rename, fsync
     of the folder.
 
-    ``write_all(place)`` produces the content by calling ``place(offset, piece)`` for pieces
-    (bytes-like) that together cover the file; ``place`` may be called from several threads
-    at once. The new file keeps the permission bits of the file it replaces (set before any
-    byte is written); a new file gets the default of the umask. A failure removes the temp
-    file and leaves ``path`` as it was; temp files of dead writers in the folder are removed.
+    ``write_all`` is as for :func:`write_file`. The new file keeps the permission bits of
+    the file it replaces (set before any byte is written); a new file gets the default of
+    the umask. A failure removes the temp file and leaves ``path`` as it was; temp files of
+    dead writers in the folder are removed.
     """
     dirname = os.path.dirname(os.path.abspath(path))
     os.makedirs(dirname, exist_ok=True)
@@ -111,15 +138,8 @@ def atomic_write(path: str, write_all: Callable[[Callable[[int, Any], None]], No
         mode = None
     remove_stale_temps(dirname)
     tmp = os.path.join(dirname, f".coax_utils-{os.getpid()}-{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    write_file(tmp, write_all, mode)
     try:
-        try:
-            if mode is not None:
-                os.fchmod(fd, mode)
-            write_all(lambda offset, piece: _pwrite_all(fd, piece, offset))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

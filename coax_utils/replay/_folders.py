@@ -27,7 +27,7 @@ import numpy as np
 
 from coax_utils import utils
 from coax_utils._checks import checked_dtype, is_int
-from coax_utils._files import atomic_folder, open_regular_file, resolve_folder
+from coax_utils._files import atomic_folder, open_regular_file, resolve_folder, write_file
 from coax_utils.replay._host_state import generator_from_record, split_state
 
 __all__ = ["CHUNK_BYTES", "combine_checksums", "load_folder", "save_folder"]
@@ -77,32 +77,27 @@ def _npy_header(arr: np.ndarray) -> bytes:
     return f.getvalue()
 
 
-def _pwrite(fd: int, piece: np.ndarray, offset: int) -> int:
-    """Write ``piece`` at ``offset`` (all of it); return its CRC-32."""
-    crc, view, done = zlib.crc32(piece), memoryview(piece).cast("B"), 0
-    while done < len(view):  # os.pwrite may write less than asked
-        done += os.pwrite(fd, view[done:], offset + done)
-    return crc
-
-
 def _write_leaf(path: str, arr: np.ndarray, pool: Any) -> tuple[int, int]:
     """Write ``arr`` as the new ``.npy`` file ``path`` of a folder being saved, and fsync it;
     return the file's size and checksum, computed from the bytes as they are written (the
     folder, not each file, is swapped in atomically)."""
     arr = np.ascontiguousarray(arr)
     header, data = _npy_header(arr), _bytes_of(arr)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags, 0o644)
-    try:
-        crcs = [_pwrite(fd, np.frombuffer(header, np.uint8), 0)]
+    crcs: list[int] = []
+
+    def write_all(place: Any) -> None:
+        def write(offset: int, piece: Any) -> int:
+            place(offset, piece)
+            return zlib.crc32(piece)
+
+        crcs.append(write(0, np.frombuffer(header, np.uint8)))
         futures = [  # all finished before the file is closed, even after an error
-            pool.submit(_pwrite, fd, data[lo : lo + CHUNK_BYTES], len(header) + lo)
+            pool.submit(write, len(header) + lo, data[lo : lo + CHUNK_BYTES])
             for lo in range(0, len(data), CHUNK_BYTES)
         ]
-        crcs += _wait_all(futures)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        crcs.extend(_wait_all(futures))
+
+    write_file(path, write_all)
     return len(header) + len(data), combine_checksums(crcs)
 
 

@@ -22,6 +22,7 @@ from coax_utils.replay import (
     make_prioritized_buffer,
     make_uniform_buffer,
 )
+from tests.utils.test_segment_tree_fn import _with_sums as host_sums
 
 EXAMPLE = {"obs": jnp.zeros(2), "t": jnp.int32(0)}
 
@@ -93,12 +94,7 @@ def _edit(x, index, value):
 
 
 def _with_sums(nodes):
-    nodes = np.array(nodes)
-    n = nodes.shape[-1] // 2
-    while n > 1:
-        nodes[..., n // 2 : n] = nodes[..., n : 2 * n : 2] + nodes[..., n + 1 : 2 * n : 2]
-        n //= 2
-    return jnp.asarray(nodes)
+    return jnp.asarray(host_sums(nodes))
 
 
 def _lying_uniform(state):
