@@ -10,7 +10,8 @@ What it shows:
    per transition instead of 56 KB), and sampled stacks are exactly what the agent saw;
 3. a Haiku convolutional Q-network (the Nature DQN torso) trained with optax on the
    importance-weighted Huber loss, the TD errors fed back as priorities;
-4. the buffer saved with ``save`` (a folder of ``.npy`` files, memory-mapped on ``load``).
+4. the buffer saved with ``save`` (a folder of ``.npy`` files, each leaf checksummed) and
+   read back with ``load``.
 
 Needs the ``atari`` extra (``pip install coax_utils[atari]``). ``--smoke`` runs a few hundred
 steps with a small buffer, as CI does; a real run needs millions of steps (and a GPU).

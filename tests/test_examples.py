@@ -58,7 +58,9 @@ def test_dqn_atari_smoke(tmp_path):
     from coax_utils.replay import PrioritizedFrameStackReplayBuffer
 
     buffer = PrioritizedFrameStackReplayBuffer.load(tmp_path / "buffer")
-    assert len(buffer) > 0 and buffer.frame_count <= len(buffer) + 10
+    # each frame is stored about once (stacked storage would hold 4 per transition); episode
+    # starts and the frames a match may not reference add a few, never a multiple
+    assert 0 < buffer.frame_count < 1.5 * len(buffer)
     assert buffer.sample(2).S.shape == (2, 4, 84, 84)
 
 
