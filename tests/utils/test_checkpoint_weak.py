@@ -75,3 +75,48 @@ def test_weak_and_strong_arrays_round_trip_with_their_types():
     # weak semantics survive: a weak float adopts the dtype of a strong half-precision operand
     assert (restored["weak"]["matrix"] + jnp.ones((), jnp.float16)).dtype == jnp.float16
     assert (restored["strong"]["f"] + jnp.ones((), jnp.float16)).dtype == jnp.float32
+
+
+def test_a_file_may_hold_only_so_many_jax_arrays_for_its_size():
+    # each jax array costs a fixed time to create, even a zero-size one that needs no bytes
+    # of the file: past jax_array_budget(file size), a file is refused before the rest is made
+    from coax_utils.utils._checkpoint.registry import jax_array_budget
+
+    def zero_size_arrays(n: int) -> bytes:
+        items = [["j", i + 1, "<f4", [0, i], False, i] for i in range(n)]
+        return forge(["l", 0, items], [[2, 0, 0]] * n, b"")
+
+    budget = jax_array_budget(len(zero_size_arrays(3000)))
+    assert budget < 3000
+    with pytest.raises(utils.CheckpointDamagedError, match=f"more than {budget} jax arrays"):
+        utils.loads(zero_size_arrays(3000), safe=True)
+    s = zero_size_arrays(2000)
+    assert 2000 <= jax_array_budget(len(s)) < 3072  # under 1 MB: at most 3072 arrays
+    restored = utils.loads(s, safe=True)
+    assert [x.shape for x in restored] == [(0, i) for i in range(2000)]
+
+
+@pytest.mark.parametrize("to_file", [False, True])
+def test_many_tiny_jax_arrays_past_the_budget_go_to_the_pickle_section(tmp_path, to_file):
+    from coax_utils.utils._checkpoint.registry import jax_array_budget
+
+    obj = {"arrays": [jnp.full((1,), i, jnp.float32) for i in range(3000)], "step": 7}
+    path = tmp_path / "tiny.ckpt"
+    if to_file:
+        utils.dump(obj, path)
+        s = path.read_bytes()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.ckpt"]  # no temp left
+    else:
+        s = utils.dumps(obj)
+    source = _ckpt_container.MemorySource(memoryview(s))
+    container = _ckpt_container.parse(source, 2)
+    tree = json.loads(_ckpt_container.read_segments(source, container, [0])[0].tobytes())
+    (arrays_node,) = [v for k, v in tree["root"][2] if k == "arrays"]
+    held = sum(1 for x in arrays_node[2] if x[0] == "j")
+    assert 2048 <= held <= jax_array_budget(len(s)) < 3000  # the rest went to the pickle section
+    restored = utils.loads(s)  # safe=False unpickles the rest
+    assert restored["step"] == 7
+    assert all(isinstance(x, jax.Array) for x in restored["arrays"])
+    assert [float(x[0]) for x in restored["arrays"]] == list(range(3000))
+    with pytest.raises(utils.UnsafeCheckpointError, match="jax arrays a file of this size"):
+        utils.loads(s, safe=True)

@@ -69,6 +69,7 @@ from coax_utils.utils._checkpoint.registry import (
     dtype_from_descriptor,
     is_namedtuple,
     is_stateful,
+    jax_array_budget,
     reference_budget,
 )
 
@@ -155,10 +156,17 @@ class Decoder(Scoped):
         The decoded byte segments (``uint8`` arrays) the buffers refer to.
     pickled : list or None
         The objects of the pickle section (None: refuse ``"p"`` nodes).
+    file_bytes : int
+        The size of the whole file, which bounds how many jax arrays it may hold.
     """
 
     def __init__(
-        self, structure: Any, structure_bytes: int, segments: dict, pickled: list | None
+        self,
+        structure: Any,
+        structure_bytes: int,
+        segments: dict,
+        pickled: list | None,
+        file_bytes: int,
     ) -> None:
         keys = {"root", "buffers", "pickled"}
         if type(structure) is not dict or not keys <= set(structure) <= {*keys, "pickle_buffers"}:
@@ -173,6 +181,8 @@ class Decoder(Scoped):
         self.budget = reference_budget(structure_bytes)
         self.spent = 0  # nodes, each reference counted as the nodes of what it refers to
         self.reach = 0  # the deepest level reached, references counted as copies
+        self.file_bytes = file_bytes
+        self.jax_arrays = 0
 
     def decode(self) -> Any:
         return self.node(self.structure["root"], 0)
@@ -324,6 +334,12 @@ class Decoder(Scoped):
             return dt if tag == "D" else dt.type
         if tag == "j":
             _, desc, shape, weak, b = self._args(tag, args, 5)
+            self.jax_arrays += 1
+            if self.jax_arrays > jax_array_budget(self.file_bytes):
+                raise ValueError(
+                    f"more than {jax_array_budget(self.file_bytes)} jax arrays, more than a "
+                    f"file of {self.file_bytes} bytes holds (each takes a fixed time to create)"
+                )
             arr = self._ndarray(desc, shape, "C", b)
             if type(weak) is not bool:
                 raise ValueError("weak type flag is not a bool")

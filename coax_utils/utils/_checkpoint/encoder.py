@@ -45,10 +45,13 @@ class _NotData(Exception):
 
 
 class Encoder(Scoped):
-    """Turn an object into (structure, buffers, objects to pickle)."""
+    """Turn an object into (structure, buffers, objects to pickle); jax arrays past the first
+    ``max_jax_arrays`` go to the pickle section."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_jax_arrays: int | None = None) -> None:
         load_builtins()
+        self.max_jax_arrays = max_jax_arrays
+        self.jax_arrays = 0
         self.segments: list[list[memoryview]] = [[], [], []]
         self.pack_size = 0
         self.buffers: list[list[int]] = []
@@ -66,7 +69,7 @@ class Encoder(Scoped):
         try:
             root = self.node(obj, 0)
         except _NotData as e:
-            self.__init__()  # start over: the whole object goes to the pickle section
+            self.__init__(self.max_jax_arrays)  # start over: the whole object is pickled
             root = self._pickle(obj, f" as a whole, for {e}")
         return {"root": root, "buffers": self.buffers, "pickled": self.descriptions}
 
@@ -147,9 +150,9 @@ class Encoder(Scoped):
             out = self._node(x, t, depth + 1)
         finally:
             self.active.discard(key)
-        if out is None:  # not plain data
+        if out is None or type(out) is str:  # not plain data (str: why)
             self.written, self.spent, self.reach = written, spent, outer
-            return self._pickle(x)
+            return self._pickle(x, out or "")
         if out[0] in DEFINING and not self.in_state:
             self.memo[key] = (out[1], self.spent - spent + 1, self.reach - depth)
         self.reach = max(outer, self.reach)
@@ -235,6 +238,8 @@ class Encoder(Scoped):
         return ["o", self._define(x), name, self._state(state, depth)]
 
     def _jax(self, x: jax.Array, depth: int) -> Any:
+        if self.max_jax_arrays is not None and self.jax_arrays >= self.max_jax_arrays:
+            return f", past the {self.max_jax_arrays} jax arrays a file of this size may hold"
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             data = self.node(jax.random.key_data(x), depth)
             return ["k", self._define(x), str(jax.random.key_impl(x)), data]
@@ -242,4 +247,5 @@ class Encoder(Scoped):
         if parts is None:
             return None
         desc, shape, _, b = parts
+        self.jax_arrays += 1
         return ["j", self._define(x), desc, shape, bool(x.weak_type), b]

@@ -21,6 +21,7 @@ import io
 import json
 import os
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -47,6 +48,7 @@ from coax_utils.utils._checkpoint.errors import (
     CheckpointNotReadableError,
     UnsafeCheckpointError,
 )
+from coax_utils.utils._checkpoint.registry import jax_array_budget
 
 __all__ = ["dump", "dumps", "load", "loads"]
 
@@ -103,9 +105,10 @@ class _OldUnpickler(pickle.Unpickler):
 # -- writing and reading ---------------------------------------------------------------------
 
 
-def _segments(obj: Any) -> list[list[memoryview]]:
-    """Encode ``obj``: the container's segments (errors surface before anything is written)."""
-    encoder = Encoder()
+def _segments(obj: Any, max_jax_arrays: int | None) -> tuple[list[list[memoryview]], int]:
+    """Encode ``obj``: the container's segments (errors surface before anything is written)
+    and the number of jax arrays its data tree holds."""
+    encoder = Encoder(max_jax_arrays)
     tree = encoder.encode(obj)
     pickled = b""
     if encoder.pickled:
@@ -113,7 +116,35 @@ def _segments(obj: Any) -> list[list[memoryview]]:
     segments = encoder.segments
     segments[_STRUCTURE] = [memoryview(json.dumps(tree, separators=(",", ":")).encode())]
     segments[_PICKLES] = [memoryview(pickled)]
-    return segments
+    return segments, encoder.jax_arrays
+
+
+class _TooManyJaxArrays(Exception):
+    """The file written holds more jax arrays than a reader allows a file of its size."""
+
+
+def _written(
+    obj: Any, write: Callable[[list[list[memoryview]], Callable[[int], None]], Any]
+) -> Any:
+    """Encode ``obj`` and return ``write(segments, check)``; ``write`` calls ``check(size)``
+    with the size of what it wrote before it makes it visible.
+
+    Where the file holds more jax arrays than :func:`jax_array_budget` allows a file of its
+    size (many tiny ones), it is encoded and written again with the arrays past that number
+    in the pickle section: ``dump`` never writes what ``load`` refuses.
+    """
+    limit = None
+    while True:
+        segments, arrays = _segments(obj, limit)
+
+        def check(size: int, arrays: int = arrays) -> None:
+            if arrays > jax_array_budget(size):
+                raise _TooManyJaxArrays(jax_array_budget(size))
+
+        try:
+            return write(segments, check)
+        except _TooManyJaxArrays as e:
+            limit = e.args[0]
 
 
 def _unsafe(what: str) -> UnsafeCheckpointError:
@@ -158,7 +189,7 @@ def _load_v2(data: Any, container: Any, safe: bool) -> Any:
     if "pickle_buffers" in structure and not sizes[_PICKLES]:
         raise Corrupt("the structure names buffers of a pickle section the file does not have")
     segments = read_segments(data, container, segments_to_read(structure, sizes))
-    decoder = Decoder(structure, raw.nbytes, segments, None if safe else [])
+    decoder = Decoder(structure, raw.nbytes, segments, None if safe else [], data.size)
     del segments  # the decoder hands each large buffer to its owner and drops it
     if not safe and sizes[_PICKLES]:
         stream = read_segments(data, container, [_PICKLES])[_PICKLES]
@@ -237,7 +268,13 @@ def dumps(obj: Any) -> bytes:
     >>> restored['step'], restored['w'].dtype, restored['w'].shape
     (3, dtype('float32'), (2, 3))
     """
-    return container_bytes(FORMAT_VERSION, _META, _segments(obj), uncompressed=1)
+
+    def write(segments: list[list[memoryview]], check: Callable[[int], None]) -> bytes:
+        out = container_bytes(FORMAT_VERSION, _META, segments, uncompressed=1)
+        check(len(out))
+        return out
+
+    return _written(obj, write)
 
 
 def loads(s: bytes | bytearray | memoryview, safe: bool = False) -> Any:
@@ -331,11 +368,16 @@ def dump(obj: Any, filepath: str | os.PathLike) -> None:
     array([1., 1., 1.])
     """
     path = as_path(filepath)
-    segments = _segments(obj)  # serialization errors surface before any file is touched
-    atomic_write(
-        path,
-        lambda place: write_container(FORMAT_VERSION, _META, segments, place, uncompressed=1),
-    )
+
+    def write(segments: list[list[memoryview]], check: Callable[[int], None]) -> None:
+        atomic_write(
+            path,
+            lambda place: check(
+                write_container(FORMAT_VERSION, _META, segments, place, uncompressed=1)
+            ),
+        )
+
+    _written(obj, write)  # serialization errors surface before any file is touched
 
 
 def load(filepath: str | os.PathLike, safe: bool = False) -> Any:

@@ -25,6 +25,7 @@ __all__ = [
     "dtype_from_descriptor",
     "is_namedtuple",
     "is_stateful",
+    "jax_array_budget",
     "load_builtins",
     "name_of",
     "reference_budget",
@@ -44,6 +45,15 @@ def reference_budget(structure_bytes: int) -> int:
     so that no hash, repr or comparison of a loaded object takes more than the file warrants.
     The writer counts one byte per node, a lower bound of what the reader counts."""
     return 16 * structure_bytes + (1 << 20)
+
+
+def jax_array_budget(file_bytes: int) -> int:
+    """How many jax arrays a file of ``file_bytes`` bytes may hold as data: 2048, and one
+    more per KiB. Each takes a fixed time to create on the device (about 0.1 ms, whatever its
+    size; a zero-size one needs no bytes in the file), so a file under 1 MB restores at most
+    3072 of them. Arrays of 1 KiB or more never reach it; the writer puts the jax arrays past
+    it in the pickle section."""
+    return 2048 + file_bytes // 1024
 
 
 # -- dtypes -----------------------------------------------------------------------------------
