@@ -29,6 +29,11 @@ Run ``python benchmarks/bench_checkpoint.py`` (about 250 MB; a minute or two) or
 ``--quick`` (about 25 MB; a few seconds). ``--memory GB`` measures instead the peak memory
 of ``dump`` and ``load`` of a replay-like dict of ``GB`` gigabytes, each in a fresh process,
 and of the same arrays held by an object of no registered kind (the pickle section).
+``--small`` times instead the loads (``safe=True``) of crafted files under 1 MB that hold
+as many jax arrays as a file of their size may (zero-size ones of distinct shapes, strong
+and weak; one-element ones as ``dumps`` writes them) and one that holds more (refused), each
+in a fresh process, five loads in a row: the slowest load and the peak memory after the
+first and after the last load, against the promise of 1 s and 100 MB.
 """
 
 from __future__ import annotations
@@ -240,6 +245,65 @@ def memory(gb: float, folder: str | None) -> None:
                 )
 
 
+_SMALL_CHILD = """
+import json, sys, time
+import jax
+import jax.numpy as jnp
+import numpy as np
+from coax_utils import utils
+from coax_utils.utils._checkpoint import container
+from coax_utils.utils._checkpoint.registry import jax_array_budget
+kind = sys.argv[1]
+def hwm():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmHWM'):
+            return int(line.split()[1]) * 1024
+def forge(n, weak, pad):  # n zero-size jax arrays of distinct shapes, and a string
+    items = [['j', i + 1, '<f4', [0, i], weak, i] for i in range(n)] + ['x' * pad]
+    tree = json.dumps({'root': ['l', 0, items], 'buffers': [[2, 0, 0]] * n, 'pickled': []})
+    segments = [[memoryview(tree.encode())], [memoryview(b'')], [memoryview(b'')]]
+    return container.container_bytes(2, {}, segments, uncompressed=1)
+target = 990_000  # bytes: as many jax arrays as a file of this size may hold (or more)
+if kind == 'one-element':  # honest, from dumps: padded with random bytes
+    arrays = [jnp.full((1,), i, jnp.float32) for i in range(2900)]
+    pad = np.random.default_rng(0).integers(0, 256, target - len(utils.dumps(arrays)), np.uint8)
+    s = utils.dumps([arrays, pad])
+else:
+    n = jax_array_budget(target) - 8 + (1000 if kind == 'over budget' else 0)
+    s = forge(n, kind == 'weak', target - len(forge(n, kind == 'weak', 0)))
+base, times, peaks = hwm(), [], []
+for _ in range(5):
+    t = time.perf_counter()
+    try:
+        n = len(jax.tree_util.tree_leaves(utils.loads(s, safe=True)))
+    except ValueError:
+        n = 0
+    times.append(time.perf_counter() - t)
+    peaks.append(hwm() - base)
+print(len(s), n, max(times), peaks[0], peaks[-1])
+"""
+
+
+def small() -> None:
+    """Loads of crafted files under 1 MB, each kind in a fresh process (see the docstring)."""
+    import subprocess
+
+    print(
+        f"{'file':<14}{'bytes':>9}{'arrays':>8}{'slowest load':>14}{'peak, 1st':>11}"
+        f"{'peak, 5th':>11}   (promise: under 1 s and 100 MB)"
+    )
+    for kind in ("zero-size", "weak", "one-element", "over budget"):
+        out = subprocess.run(
+            [sys.executable, "-c", _SMALL_CHILD, kind], check=True, capture_output=True, text=True
+        ).stdout.split()
+        size, n, seconds, first, last = int(out[0]), int(out[1]), float(out[2]), *map(int, out[3:])
+        met = size < 1e6 and seconds < 1 and last < 100 << 20
+        print(
+            f"{kind:<14}{size:>9}{n - 1 if n else 'refused':>8}{seconds:>12.3f} s"
+            f"{first / 2**20:>8.1f} MiB{last / 2**20:>7.1f} MiB   {'met' if met else 'NOT MET'}"
+        )
+
+
 def run(variants: dict, repeats: int, settle=None) -> dict:
     """Time each variant (a zero-argument callable) round robin.
 
@@ -348,6 +412,7 @@ def main() -> None:
         "--dir", default=None, help="folder for the on-disk runs (default: a temp dir)"
     )
     parser.add_argument("--memory", type=float, default=None, metavar="GB")
+    parser.add_argument("--small", action="store_true", help="loads of crafted small files")
     parser.add_argument(
         "--only",
         choices=["dumps", "loads", "files"],
@@ -357,6 +422,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.memory:
         memory(args.memory, args.dir)
+        return
+    if args.small:
+        small()
         return
     scale = 0.1 if args.quick else 1.0
     repeats = args.repeats or (3 if args.quick else 7)
