@@ -21,6 +21,10 @@ from coax_utils.replay._host import PrioritizedReplayBuffer
 from coax_utils.replay._host import SimpleReplayBuffer
 from coax_utils.replay._record import RecordTransitions
 from coax_utils.replay._record import RecordVectorTransitions
+from coax_utils.replay._seq_common import SequenceReplaySample
+from coax_utils.replay._seq_host import PrioritizedSequenceReplayBuffer
+from coax_utils.replay._seq_host import SequenceReplayBuffer
+from coax_utils.replay._seq_record import RecordVectorSequences
 from coax_utils.replay._sequence import SequenceSample
 from coax_utils.replay._tracing import EpisodeDoneError
 from coax_utils.replay._tracing import InsufficientCacheError
@@ -45,8 +49,12 @@ __all__ = [
     "PrioritizedFrameStackReplayBuffer",
     "PrioritizedReplayBuffer",
     "PrioritizedSample",
+    "PrioritizedSequenceReplayBuffer",
     "RecordTransitions",
+    "RecordVectorSequences",
     "RecordVectorTransitions",
+    "SequenceReplayBuffer",
+    "SequenceReplaySample",
     "SequenceSample",
     "SimpleReplayBuffer",
     "TransitionBatch",
@@ -74,6 +82,9 @@ for _cls in (
     PrioritizedFrameStackReplayBuffer,
     PrioritizedReplayBuffer,
     PrioritizedSample,
+    PrioritizedSequenceReplayBuffer,
+    SequenceReplayBuffer,
+    SequenceReplaySample,
     SequenceSample,
     SimpleReplayBuffer,
     TransitionBatch,

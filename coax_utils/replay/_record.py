@@ -14,7 +14,7 @@ from coax_utils.replay._host import PrioritizedReplayBuffer, SimpleReplayBuffer
 from coax_utils.replay._tracing import MonteCarlo, NStep
 from coax_utils.replay._transition import TransitionBatch
 
-__all__ = ["RecordTransitions", "RecordVectorTransitions"]
+__all__ = ["RecordTransitions", "RecordVectorTransitions", "autoreset_mode"]
 
 
 def _copy_tree(x: Any) -> Any:
@@ -147,7 +147,7 @@ class RecordTransitions(gymnasium.Wrapper):
         return obs, reward, terminated, truncated, info
 
 
-def _autoreset_mode(env: gymnasium.vector.VectorEnv) -> str:
+def autoreset_mode(env: gymnasium.vector.VectorEnv) -> str:
     """The autoreset mode of a vector env: "NextStep", "SameStep" or "Disabled".
 
     Gymnasium has the modes from 1.1 on; before, every vector env resets on the next step,
@@ -196,15 +196,15 @@ class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
         self.tracers = [copy.deepcopy(template) for _ in range(self.num_envs)]
         for t in self.tracers:
             t.reset()
-        self._mode = _autoreset_mode(env)
+        self._mode = autoreset_mode(env)
         self._obs: Any = None
         self._skip = np.zeros(self.num_envs, bool)
 
     def reset(self, **kwargs: Any) -> tuple[Any, dict]:
         """Reset the env (all sub-envs, or those in ``options["reset_mask"]``)."""
+        # read before the env's reset: gymnasium's vector envs pop "reset_mask" from options
+        mask = (kwargs.get("options") or {}).get("reset_mask")
         obs, info = self.env.reset(**kwargs)
-        options = kwargs.get("options") or {}
-        mask = options.get("reset_mask")
         if mask is None or self._obs is None:  # after a failed recording, restart all tracers
             mask = np.ones(self.num_envs, bool)
         mask = np.asarray(mask, bool)
