@@ -9,6 +9,8 @@ from coax_utils.sources._disk import DiskSource
 from coax_utils.sources._disk import DiskSourceState
 from coax_utils.sources._gymnax import GymnaxSource
 from coax_utils.sources._gymnax import GymnaxSourceState
+from coax_utils.sources._minari import MinariSource
+from coax_utils.sources._minari import MinariSourceState
 
 from coax_utils.utils import register_checkpoint_type as _register
 
@@ -21,6 +23,8 @@ __all__ = [
     "DiskSourceState",
     "GymnaxSource",
     "GymnaxSourceState",
+    "MinariSource",
+    "MinariSourceState",
     "Source",
 ]
 
@@ -30,6 +34,7 @@ for _cls in (
     BatchedSourceState,
     DiskSourceState,
     GymnaxSourceState,
+    MinariSourceState,
 ):
     _register(_cls, f"coax_utils.sources.{_cls.__name__}")
 del _cls, _register

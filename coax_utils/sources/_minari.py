@@ -1,0 +1,421 @@
+"""MinariSource: the transitions of a Minari dataset streamed into jitted loops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from coax_utils._dataclass import pytree_dataclass
+from coax_utils._minari import import_minari, read_episodes, select_episodes, space_spec
+from coax_utils.sources._base import (
+    CompiledNext,
+    PyTree,
+    check_ordering,
+    check_positive_int,
+    check_state,
+    epoch_permutation,
+    refresh_order,
+)
+
+__all__ = ["MinariSource", "MinariSourceState"]
+
+
+@pytree_dataclass
+class MinariSourceState:
+    """State of a :class:`MinariSource`.
+
+    Attributes
+    ----------
+    order : jax.Array
+        int32 array of shape ``(transitions,)``: the transitions in this epoch's order.
+    position : jax.Array
+        int32 scalar: how many batches of the current epoch have been emitted.
+    key : jax.Array
+        PRNG key from which the next epoch's order is drawn.
+    epoch : jax.Array
+        int32 scalar: number of completed epochs.
+    buffer : pytree of jax.Array
+        The prefetched batches (leading axis ``prefetch``).
+    buffer_mask : jax.Array
+        Their masks.
+    buffer_start : jax.Array
+        int32 scalar: the batch position of ``buffer[0]``; -1 when the buffer holds nothing
+        of the current epoch.
+    reshuffle : jax.Array
+        bool scalar: True right after an epoch ends.
+    """
+
+    order: jax.Array
+    position: jax.Array
+    key: jax.Array
+    epoch: jax.Array
+    buffer: PyTree
+    buffer_mask: jax.Array
+    buffer_start: jax.Array
+    reshuffle: jax.Array
+
+
+class _Chunk:
+    """The transitions of consecutive episodes, held on the host as flat arrays."""
+
+    def __init__(self, episodes: list) -> None:
+        def cat(trees: list) -> Any:
+            return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *trees)
+
+        self.observations = cat([ep.observations for ep in episodes])
+        self.actions = cat([ep.actions for ep in episodes])
+        self.rewards = np.concatenate([ep.rewards for ep in episodes])
+        self.terminated = np.concatenate([ep.terminations for ep in episodes])
+        self.truncated = np.concatenate([ep.truncations for ep in episodes])
+        lengths = np.array([len(ep.rewards) for ep in episodes])
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        episode = np.repeat(np.arange(len(episodes)), lengths)
+        # the row of S_t among the observations (each episode has one row more), the last
+        # transition of its episode
+        self.obs_row = np.arange(len(episode)) + episode
+        self.last = np.repeat(starts + lengths - 1, lengths)
+
+    def gather(self, rows: np.ndarray, window: int | None) -> tuple[dict, np.ndarray]:
+        """The transitions at ``rows`` (or windows starting there) and their step masks."""
+        length = 1 if window is None else window
+        steps = rows[:, None] + np.arange(length)
+        last = self.last[rows][:, None]
+        mask = steps <= last
+        steps = np.minimum(steps, last)
+        if window is None:
+            steps, mask = steps[:, 0], mask[:, 0]
+        obs_rows = self.obs_row[steps]
+        take = lambda tree, index: jax.tree_util.tree_map(lambda x: x[index], tree)  # noqa: E731
+        value = {
+            "observation": take(self.observations, obs_rows),
+            "action": take(self.actions, steps),
+            "reward": self.rewards[steps],
+            "next_observation": take(self.observations, obs_rows + 1),
+            "terminated": self.terminated[steps],
+            "truncated": self.truncated[steps],
+        }
+        return value, mask
+
+
+class MinariSource(CompiledNext):
+    r"""Stream the transitions of a Minari dataset in batches, for jitted training loops.
+
+    Each :meth:`next` emits a batch of ``batch_size`` transitions as a dict with the keys
+    ``observation``, ``action``, ``reward``, ``next_observation``, ``terminated`` and
+    ``truncated`` (leading axis ``batch_size``; spaces mapped as the env bridge maps them:
+    Dict observations are dicts, Discrete actions int32, rewards float32). The flags are
+    Minari's: a truncated step (a time limit, or the end of the data) has a real
+    ``next_observation`` to bootstrap from; a terminated one does not. An epoch visits every
+    transition exactly once (without replacement), ``ceil(transitions / batch_size)`` batches;
+    the last batch is padded and its mask is False on the padding rows.
+
+    With ``window=L`` each row is instead a window of ``L`` consecutive steps starting at the
+    transition drawn (leaves of shape ``(batch_size, L, ...)``) and the mask has shape
+    ``(batch_size, L)``: as in :class:`~coax_utils.replay.SequenceSample`, steps past the end
+    of the window's episode are masked and repeat the episode's last step.
+
+    Data reach the compiled loop through :func:`jax.experimental.io_callback`: one callback
+    gathers the next ``prefetch`` batches at once on the host (a NumPy fancy index into
+    arrays held in memory) and the following calls read them from the state, so a
+    :func:`jax.lax.scan` over an epoch leaves XLA only once every ``prefetch`` steps.
+
+    Data larger than memory: with ``chunk_steps`` the episodes are grouped into chunks of
+    consecutive episodes of about that many transitions, and only the chunks a prefetch
+    touches are held in memory (each chunk is read from the dataset when the epoch reaches
+    it). Shuffling then draws the chunks in random order and shuffles the transitions within
+    each chunk (a two-level shuffle: without it every batch would read the whole dataset).
+    Without ``chunk_steps``, the whole selection is read into memory once, at construction,
+    and shuffled as one.
+
+    Parameters
+    ----------
+    dataset : minari.MinariDataset
+        The dataset.
+    batch_size : int
+        Transitions (or windows) per batch.
+    ordering : {"shuffle", "sequential"}
+        ``"shuffle"``: a new order every epoch, drawn from the state's key;
+        ``"sequential"``: the episodes' order.
+    window : int, optional
+        Emit windows of this many steps instead of single transitions.
+    episodes : sequence of int, optional
+        The ids of the episodes to use (default: all).
+    max_transitions : int, optional
+        Use only the first this many steps (the last episode is cut there, truncated).
+    chunk_steps : int, optional
+        Hold about this many transitions in memory at a time (see above).
+    prefetch : int
+        Batches gathered per host callback.
+    check_finite : bool
+        Refuse NaN or infinite rewards, observations or actions (naming the episode).
+
+    Raises
+    ------
+    ImportError
+        Without minari (``pip install coax_utils[offline]``).
+    TypeError, ValueError
+        For bad arguments, or an episode that does not fit the dataset's spaces (the
+        message names the episode and the field).
+
+    Examples
+    --------
+    .. code-block:: python
+
+        source = MinariSource(minari.load_dataset("local/cartpole/random-v0"), 256)
+        state = source.init_state(jax.random.key(0))
+
+        def step(carry, _):
+            params, state = carry
+            batch, mask, state = source.next(state)
+            params = update(params, batch, mask)  # rows where mask is False are padding
+            return (params, state), None
+
+        (params, state), _ = jax.lax.scan(step, (params, state), None, source.steps_per_epoch)
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        *,
+        ordering: str = "shuffle",
+        window: int | None = None,
+        episodes: Any = None,
+        max_transitions: int | None = None,
+        chunk_steps: int | None = None,
+        prefetch: int = 16,
+        check_finite: bool = False,
+    ) -> None:
+        import_minari()
+        self._batch_size = check_positive_int("batch_size", batch_size)
+        self._ordering = check_ordering(ordering)
+        self._window = None if window is None else check_positive_int("window", window)
+        self._prefetch = check_positive_int("prefetch", prefetch)
+        if chunk_steps is not None:
+            chunk_steps = check_positive_int("chunk_steps", chunk_steps)
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be a bool, got {check_finite!r}")
+        self._check_finite = check_finite
+        ids, limit = select_episodes(dataset, episodes, max_transitions)
+        obs_spec = space_spec(dataset.observation_space, "observation")
+        act_spec = space_spec(dataset.action_space, "action")
+        self._dataset = dataset
+        # one pass over the data: checks every episode and finds the chunks
+        chunks: list[list[int]] = []  # the episode ids of each chunk
+        lengths: list[int] = []
+        held: list = []
+        size = 0
+        for ep in read_episodes(dataset, ids, limit, check_finite):
+            steps = len(ep.rewards)
+            if chunk_steps is not None and size and size + steps > chunk_steps:
+                chunks.append([e.id for e in held])
+                lengths.append(size)
+                held, size = [], 0
+            held.append(ep if chunk_steps is None else ep._replace(observations=None))
+            size += steps
+        chunks.append([e.id for e in held])
+        lengths.append(size)
+        self._chunk_ids = chunks
+        self._memory: dict[int, _Chunk] = {}
+        if chunk_steps is None:
+            self._memory[0] = _Chunk(held)
+        self._chunk_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self._length = int(self._chunk_starts[-1])
+        if self._length > np.iinfo(np.int32).max:
+            raise ValueError(f"the selection holds {self._length} transitions, beyond int32")
+        self._steps_per_epoch = -(-self._length // self._batch_size)
+        self._chunk_of = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+        lead = (self._batch_size,) if window is None else (self._batch_size, self._window)
+
+        def spec(s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(lead + tuple(s.shape), s.dtype)
+
+        scalar = lambda dtype: jax.ShapeDtypeStruct((), np.dtype(dtype))  # noqa: E731
+        self._spec = jax.tree_util.tree_map(
+            spec,
+            {
+                "observation": obs_spec,
+                "action": act_spec,
+                "reward": scalar(np.float32),
+                "next_observation": obs_spec,
+                "terminated": scalar(np.bool_),
+                "truncated": scalar(np.bool_),
+            },
+        )
+        self._spec_leaves, self._treedef = jax.tree_util.tree_flatten(self._spec)
+        self._fetch_leaves = [
+            jax.ShapeDtypeStruct((self._prefetch, *s.shape), s.dtype) for s in self._spec_leaves
+        ]
+        self._mask_spec = jax.ShapeDtypeStruct((self._prefetch, *lead), np.dtype(np.bool_))
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches per epoch: ``ceil(transitions / batch_size)``."""
+        return self._steps_per_epoch
+
+    @property
+    def num_transitions(self) -> int:
+        """The number of transitions (window starts) an epoch visits."""
+        return self._length
+
+    @property
+    def batch_size(self) -> int:
+        """Transitions (or windows) per batch."""
+        return self._batch_size
+
+    def element_spec(self) -> PyTree:
+        """Pytree of :class:`jax.ShapeDtypeStruct` describing one batch."""
+        return self._spec
+
+    def _chunk(self, c: int) -> _Chunk:
+        chunk = self._memory.get(c)
+        if chunk is None:
+            limit = int(self._chunk_starts[c + 1] - self._chunk_starts[c])  # a cut last episode
+            ids = self._chunk_ids[c]
+            episodes = list(read_episodes(self._dataset, ids, limit, self._check_finite))
+            chunk = self._memory[c] = _Chunk(episodes)
+        return chunk
+
+    def _fetch(self, indices: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        """Host side: the transitions at ``indices`` (-1: padding), stacked in batches."""
+        flat = np.asarray(indices).reshape(-1)
+        valid = flat >= 0
+        if np.any(flat >= self._length):
+            raise ValueError(
+                f"MinariSource: the state's order holds an index beyond the "
+                f"{self._length} transitions (a damaged state, or one of another source?)"
+            )
+        index = np.where(valid, flat, 0)
+        chunk_of = self._chunk_of[index]
+        needed = np.unique(chunk_of[valid]) if valid.any() else np.zeros(1, np.int32)
+        for c in list(self._memory):  # keep only what this prefetch reads
+            if len(self._chunk_ids) > 1 and c not in needed:
+                del self._memory[c]
+        out = [np.zeros(s.shape, s.dtype) for s in self._fetch_leaves]
+        flat_out = [x.reshape((len(flat), *x.shape[2:])) for x in out]
+        mask = np.zeros(self._mask_spec.shape, bool)
+        flat_mask = mask.reshape((len(flat), -1))
+        for c in needed.tolist():
+            rows = np.flatnonzero(valid & (chunk_of == c))
+            local = index[rows] - self._chunk_starts[c]
+            value, step_mask = self._chunk(c).gather(local, self._window)
+            for target, leaf in zip(flat_out, self._treedef.flatten_up_to(value)):
+                target[rows] = leaf
+            flat_mask[rows] = step_mask.reshape(len(rows), -1)
+        return out, mask
+
+    def _order(self, key: jax.Array) -> jax.Array:
+        if self._ordering == "sequential" or len(self._chunk_ids) == 1:
+            return epoch_permutation(key, self._length, self._ordering == "shuffle")
+        chunk_key, row_key = jax.random.split(key)
+        chunk_rank = jax.random.permutation(chunk_key, len(self._chunk_ids))
+        tiebreak = jax.random.permutation(row_key, self._length)
+        order = jnp.lexsort((tiebreak, chunk_rank[jnp.asarray(self._chunk_of)]))
+        return order.astype(jnp.int32)
+
+    def init_state(self, key: jax.Array) -> MinariSourceState:
+        """Return the state at the start of epoch 0 (nothing fetched yet).
+
+        Parameters
+        ----------
+        key : jax.Array
+            PRNG key (typed or raw) seeding the epoch orders.
+        """
+        compiled = self.__dict__.get("_jit_init")
+        if compiled is None:
+            compiled = self._jit_init = jax.jit(self._init_state)
+        return compiled(key)
+
+    def _init_state(self, key: jax.Array) -> MinariSourceState:
+        key, order_key = jax.random.split(key)
+        return MinariSourceState(
+            order=self._order(order_key),
+            position=jnp.zeros([], jnp.int32),
+            key=key,
+            epoch=jnp.zeros([], jnp.int32),
+            buffer=jax.tree_util.tree_unflatten(
+                self._treedef, [jnp.zeros(s.shape, s.dtype) for s in self._fetch_leaves]
+            ),
+            buffer_mask=jnp.zeros(self._mask_spec.shape, jnp.bool_),
+            buffer_start=jnp.full([], -1, jnp.int32),
+            reshuffle=jnp.zeros([], jnp.bool_),
+        )
+
+    def _refill(self, state: MinariSourceState) -> MinariSourceState:
+        """Gather the ``prefetch`` batches that start at ``state.position``."""
+        shuffle = self._ordering == "shuffle"
+        if shuffle:
+
+            def fresh(key: jax.Array, order: jax.Array) -> tuple[jax.Array, jax.Array]:
+                key, order_key = jax.random.split(key)
+                return self._order(order_key), key
+
+            order, key = jax.lax.cond(
+                state.reshuffle, fresh, lambda key, order: (order, key), state.key, state.order
+            )
+        else:
+            order, key = refresh_order(state.key, state.order, state.reshuffle, False)
+        size = self._prefetch * self._batch_size
+        offsets = state.position * self._batch_size + jnp.arange(size, dtype=jnp.int32)
+        inside = offsets < self._length
+        picked = order[jnp.minimum(offsets, self._length - 1)] if shuffle else offsets
+        indices = jnp.where(inside, picked, -1).reshape(self._prefetch, self._batch_size)
+        leaves, mask = io_callback(self._fetch, (self._fetch_leaves, self._mask_spec), indices)
+        return state.replace(
+            order=order,
+            key=key,
+            buffer=jax.tree_util.tree_unflatten(self._treedef, leaves),
+            buffer_mask=mask,
+            buffer_start=state.position,
+            reshuffle=jnp.zeros([], jnp.bool_),
+        )
+
+    def next(self, state: MinariSourceState) -> tuple[PyTree, jax.Array, MinariSourceState]:
+        """Return ``(batch, mask, new_state)``, gathering the next batches when needed.
+
+        Raises
+        ------
+        TypeError
+            If ``state`` is not a :class:`MinariSourceState`.
+        ValueError
+            If ``state`` belongs to another source (at trace time).
+        """
+        return self._compiled_next(state)
+
+    def _next(self, state: MinariSourceState) -> tuple[PyTree, jax.Array, MinariSourceState]:
+        check_state(state, MinariSourceState, self._length, self)
+        if tuple(np.shape(state.buffer_mask)) != tuple(self._mask_spec.shape):
+            raise ValueError(f"{self!r}.next got the state of another source (its buffer)")
+        stale = jnp.logical_or(
+            state.buffer_start < 0, state.position >= state.buffer_start + self._prefetch
+        )
+        state = jax.lax.cond(stale, self._refill, lambda state: state, state)
+        row = state.position - state.buffer_start
+        pick = lambda b: jax.lax.dynamic_index_in_dim(b, row, keepdims=False)  # noqa: E731
+        batch = jax.tree_util.tree_map(pick, state.buffer)
+        mask = pick(state.buffer_mask)
+        position = state.position + 1
+        epoch_ends = position >= self._steps_per_epoch
+        new_state = state.replace(
+            position=jnp.where(epoch_ends, 0, position).astype(jnp.int32),
+            epoch=state.epoch + epoch_ends.astype(jnp.int32),
+            buffer_start=jnp.where(epoch_ends, -1, state.buffer_start).astype(jnp.int32),
+            reshuffle=jnp.logical_or(state.reshuffle, epoch_ends),
+        )
+        return batch, mask, new_state
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_jit_init", None)
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"MinariSource({self._dataset.id!r}, batch_size={self._batch_size}, "
+            f"ordering={self._ordering!r}, window={self._window}, "
+            f"transitions={self._length})"
+        )
