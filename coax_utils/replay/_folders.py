@@ -6,10 +6,11 @@ fsynced, swapped in with two renames under a lock on the target); loads find the
 :func:`coax_utils._files.resolve_folder` and start again when a concurrent save replaced it
 while it was read.
 
-Every leaf carries a checksum, computed while it is written and recorded in ``meta.lz4``:
-the CRC-32 of the little-endian CRC-32s of the leaf's ``.npy`` header and of the consecutive
-4 MiB chunks of its array data. The chunks are checksummed (and written, or read) by a few
-threads at once, so the checksum costs little next to the file's bytes.
+Every leaf carries checksums, computed while it is written and recorded in ``meta.lz4``: the
+XXH64 (:mod:`._xxh64`) of its ``.npy`` header and of each consecutive chunk of its array data
+(``chunk_bytes``, recorded too, 8 MiB). The chunks are written, or read, and hashed by a few
+threads at once (one reads a chunk while another hashes the one before), so the checksums
+cost little next to the file's bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import io
 import math
 import os
 import re
-import zlib
 from typing import Any
 
 import numpy as np
@@ -30,19 +30,21 @@ from coax_utils._checks import checked_dtype, is_int
 from coax_utils._files import atomic_folder, open_regular_file, resolve_folder, write_file
 from coax_utils.replay._host_state import generator_from_record, split_state
 
-__all__ = ["CHUNK_BYTES", "combine_checksums", "load_folder", "save_folder"]
+__all__ = ["CHUNK_BYTES", "load_folder", "save_folder"]
 
 _FOLDER_FORMAT = 3  # 3: leaves with sizes and checksums
 _META = "meta.lz4"
-CHUNK_BYTES = 4 << 20  # the unit of the leaf checksums (a format constant: never change it)
+CHUNK_BYTES = 8 << 20  # the chunks of the leaves that saves write (loads take any valid size)
+_CHUNK_RANGE = (1 << 16, 1 << 30)  # the chunk sizes a load accepts: powers of two in it
 _MAX_HEADER = 1 << 16
 _MAX_THREADS = 4
 _ATTEMPTS = 100  # loads started again because concurrent saves replaced the folder
 
 
-def combine_checksums(crcs: list[int]) -> int:
-    """The checksum of a leaf from the CRC-32s of its header and of its data chunks."""
-    return zlib.crc32(np.asarray(crcs, "<u4").tobytes())
+def _xxh64(data: np.ndarray) -> int:
+    from coax_utils.replay._xxh64 import xxh64  # numba: compiled or loaded on first use
+
+    return xxh64(data)
 
 
 def _threads() -> int:
@@ -77,28 +79,33 @@ def _npy_header(arr: np.ndarray) -> bytes:
     return f.getvalue()
 
 
-def _write_leaf(path: str, arr: np.ndarray, pool: Any) -> tuple[int, int]:
+def _write_leaf(path: str, arr: np.ndarray, pool: Any) -> dict:
     """Write ``arr`` as the new ``.npy`` file ``path`` of a folder being saved, and fsync it;
-    return the file's size and checksum, computed from the bytes as they are written (the
+    return the file's size and checksums, computed from the bytes as they are written (the
     folder, not each file, is swapped in atomically)."""
     arr = np.ascontiguousarray(arr)
-    header, data = _npy_header(arr), _bytes_of(arr)
-    crcs: list[int] = []
+    header, data = np.frombuffer(_npy_header(arr), np.uint8), _bytes_of(arr)
+    chunks: list[int] = []
 
     def write_all(place: Any) -> None:
         def write(offset: int, piece: Any) -> int:
             place(offset, piece)
-            return zlib.crc32(piece)
+            return _xxh64(piece)
 
-        crcs.append(write(0, np.frombuffer(header, np.uint8)))
+        place(0, header)
         futures = [  # all finished before the file is closed, even after an error
             pool.submit(write, len(header) + lo, data[lo : lo + CHUNK_BYTES])
             for lo in range(0, len(data), CHUNK_BYTES)
         ]
-        crcs.extend(_wait_all(futures))
+        chunks.extend(_wait_all(futures))
 
     write_file(path, write_all)
-    return len(header) + len(data), combine_checksums(crcs)
+    return {
+        "size": len(header) + len(data),
+        "header_checksum": _xxh64(header),
+        "chunk_bytes": CHUNK_BYTES,
+        "chunk_checksums": chunks,
+    }
 
 
 def save_folder(buffer: Any, path: str | os.PathLike) -> None:
@@ -123,18 +130,10 @@ def save_folder(buffer: Any, path: str | os.PathLike) -> None:
         files = []
         for i, (key, index, arr) in enumerate(arrays):
             file = f"leaf_{i}.npy"
-            size, checksum = _write_leaf(os.path.join(staging, file), arr, pool)
-            files.append(
-                {
-                    "file": file,
-                    "key": key,
-                    "index": index,
-                    "dtype": arr.dtype.str,
-                    "shape": list(arr.shape),
-                    "size": size,
-                    "checksum": checksum,
-                }
-            )
+            entry = {"file": file, "key": key, "index": index}
+            entry.update(dtype=arr.dtype.str, shape=list(arr.shape))
+            entry.update(_write_leaf(os.path.join(staging, file), arr, pool))
+            files.append(entry)
         record = {
             "format": _FOLDER_FORMAT,
             "class": type(buffer).__name__,
@@ -181,9 +180,8 @@ def _read_exactly(fd: int, buf: Any, offset: int) -> None:
         done += n
 
 
-def _read_and_crc(fd: int, buf: np.ndarray, offset: int) -> int:
-    _read_exactly(fd, buf, offset)
-    return zlib.crc32(buf)
+def _is_checksum(x: Any) -> bool:
+    return is_int(x) and 0 <= x < 2**64
 
 
 class _Leaf:
@@ -197,9 +195,13 @@ class _Leaf:
             raise ValueError(f"invalid shape {shape!r}")
         self.dtype, self.shape = checked_dtype(dtype, "dtype"), [int(d) for d in shape]
         self.nbytes = self.dtype.itemsize * math.prod(self.shape)
-        recorded, checksum = entry.get("size"), entry.get("checksum")
-        if not (is_int(recorded) and is_int(checksum) and 0 <= checksum < 2**32):
-            raise ValueError("its size and checksum must be recorded")
+        recorded, chunk = entry.get("size"), entry.get("chunk_bytes")
+        header_checksum, chunks = entry.get("header_checksum"), entry.get("chunk_checksums")
+        if not (is_int(recorded) and _is_checksum(header_checksum) and isinstance(chunks, list)):
+            raise ValueError("its size and checksums must be recorded")
+        low, high = _CHUNK_RANGE
+        if not (is_int(chunk) and low <= chunk <= high and chunk & (chunk - 1) == 0):
+            raise ValueError(f"its chunk size must be a power of two in [{low}, {high}]")
         if size != recorded:
             raise ValueError(f"it holds {size} bytes, the metadata says {recorded}")
         _check_on_disk(fd, size)
@@ -220,28 +222,38 @@ class _Leaf:
         self.start = f.tell()
         if size != self.start + self.nbytes:
             raise ValueError(f"its size {size} is not that of its header and array")
-        self.fd, self.checksum = fd, int(checksum)
-        self.header_crc = zlib.crc32(head[: self.start])
+        if len(chunks) != -(-self.nbytes // chunk) or not all(map(_is_checksum, chunks)):
+            raise ValueError(f"it needs one checksum per {chunk} bytes of its array")
+        if _xxh64(np.frombuffer(head[: self.start], np.uint8)) != header_checksum:
+            raise ValueError("its header does not match its checksum")
+        self.fd, self.chunk, self.checksums = fd, int(chunk), [int(c) for c in chunks]
 
     def read(self, mmap_mode: str | None, pool: Any) -> np.ndarray:
-        """The array, read into memory or mapped; ValueError if it fails its checksum."""
-        if mmap_mode is not None and self.nbytes:
+        """The array, read into memory or mapped, every chunk checked against its checksum
+        (ValueError if one fails): a chunk is read while the one before is hashed."""
+        mapped = mmap_mode is not None and self.nbytes > 0
+        if mapped:
             with open(self.fd, "rb", closefd=False) as f:
                 arr = np.memmap(f, self.dtype, mmap_mode, self.start, tuple(self.shape))
-            data = _bytes_of(arr)
-            futures = [
-                pool.submit(zlib.crc32, data[lo : lo + CHUNK_BYTES])
-                for lo in range(0, self.nbytes, CHUNK_BYTES)
-            ]
         else:
             arr = np.empty(self.shape, self.dtype)
-            data = _bytes_of(arr)
-            futures = [
-                pool.submit(_read_and_crc, self.fd, data[lo : lo + CHUNK_BYTES], self.start + lo)
-                for lo in range(0, self.nbytes, CHUNK_BYTES)
-            ]
-        if combine_checksums([self.header_crc, *_wait_all(futures)]) != self.checksum:
-            raise ValueError("it does not match its checksum (damaged, or from another save)")
+        data = _bytes_of(arr)
+
+        def checksum(lo: int) -> int:
+            piece = data[lo : lo + self.chunk]
+            if not mapped:
+                _read_exactly(self.fd, piece, self.start + lo)
+            return _xxh64(piece)
+
+        futures = [pool.submit(checksum, lo) for lo in range(0, self.nbytes, self.chunk)]
+        for k, (got, want) in enumerate(zip(_wait_all(futures), self.checksums)):
+            if got != want:
+                lo = self.start + k * self.chunk
+                hi = min(lo + self.chunk, self.start + self.nbytes)
+                raise ValueError(
+                    f"its bytes {lo} to {hi} do not match their checksum "
+                    "(damaged, or from another save)"
+                )
         return arr
 
 

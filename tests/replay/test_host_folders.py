@@ -7,15 +7,16 @@ import re
 import subprocess
 import sys
 import textwrap
+import random
 import tracemalloc
-import zlib
 
 import numpy as np
 import pytest
 
 from coax_utils import utils
 from coax_utils.replay import PrioritizedReplayBuffer, SimpleReplayBuffer, TransitionBatch
-from coax_utils.replay._folders import CHUNK_BYTES, combine_checksums
+from coax_utils.replay._folders import CHUNK_BYTES
+from coax_utils.replay._xxh64 import xxh64
 from tests.replay.test_host_integrity import BUFFERS, batch, contents, filled, frames, snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -128,15 +129,18 @@ def forge(path, entry, shape, data):
         size = header + dtype.itemsize * int(np.prod(shape))
         f.truncate(size)
     with open(path / entry["file"], "rb") as f:
-        crcs = [zlib.crc32(f.read(header))]
-    zero_crc = zlib.crc32(bytes(CHUNK_BYTES))
+        header_checksum = xxh64(np.frombuffer(f.read(header), np.uint8))
+    zeros = xxh64(np.zeros(CHUNK_BYTES, np.uint8))
+    chunks = []
     for lo in range(0, size - header, CHUNK_BYTES):
         hi = min(lo + CHUNK_BYTES, size - header)
         if lo >= len(data) and hi - lo == CHUNK_BYTES:
-            crcs.append(zero_crc)
+            chunks.append(zeros)
         else:
-            crcs.append(zlib.crc32(data[lo:hi] + bytes(hi - lo - len(data[lo:hi]))))
-    entry.update(shape=list(shape), size=size, checksum=combine_checksums(crcs))
+            piece = data[lo:hi] + bytes(hi - lo - len(data[lo:hi]))
+            chunks.append(xxh64(np.frombuffer(piece, np.uint8)))
+    entry.update(shape=list(shape), size=size, header_checksum=header_checksum)
+    entry.update(chunk_bytes=CHUNK_BYTES, chunk_checksums=chunks)
 
 
 def test_a_sparse_folder_declaring_a_huge_capacity_allocates_nothing(tmp_path):
