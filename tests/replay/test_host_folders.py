@@ -7,7 +7,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import random
 import tracemalloc
 
 import numpy as np
@@ -103,6 +102,125 @@ def test_rewritten_priorities_are_refused(mmap_mode, tmp_path):
     abs_adv[:3] = 2.0  # a valid |Adv|, in a file of the same size
     np.save(path / leaf, abs_adv)
     refused(PrioritizedReplayBuffer, path, leaf, mmap_mode)
+
+
+def saved_in_chunks(path, rows=10):
+    """A buffer whose S leaf spans one full chunk and a partial last one, saved; its leaf."""
+    buffer = SimpleReplayBuffer(rows, random_seed=0)
+    side = 1000  # rows of 10**6 bytes: 10 rows are one 8 MiB chunk and 1.6 MB more
+    obs = np.random.default_rng(0).integers(0, 256, (rows, side, side), np.uint8)
+    tb = TransitionBatch(
+        S=obs,
+        A=np.arange(rows, dtype=np.int32),
+        logP=np.zeros(rows, np.float32),
+        Rn=np.zeros(rows, np.float32),
+        In=np.ones(rows, np.float32),
+        S_next=obs[::-1],
+    )
+    buffer.add(tb)
+    buffer.save(path)
+    leaf = leaf_of(path, "leaves", shape=[rows, side, side])
+    entry = next(e for e in meta(path)["files"] if e["file"] == leaf)
+    assert entry["chunk_bytes"] == CHUNK_BYTES and len(entry["chunk_checksums"]) == 2
+    return buffer, leaf
+
+
+def flip(file, offset):
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+
+
+@pytest.mark.parametrize("mmap_mode", [None, "c"])
+def test_a_damaged_byte_in_any_chunk_is_refused(mmap_mode, tmp_path):
+    path = tmp_path / "buf"
+    buffer, leaf = saved_in_chunks(path)
+    size = os.path.getsize(path / leaf)
+    start = size - 10 * 10**6
+    for offset, chunk in [
+        (size - 1, f"{start + CHUNK_BYTES} to {size}"),  # the last, partial chunk
+        (start + CHUNK_BYTES, f"{start + CHUNK_BYTES} to {size}"),  # its first byte
+        (start + CHUNK_BYTES - 1, f"{start} to {start + CHUNK_BYTES}"),  # the first chunk
+        (start, f"{start} to {start + CHUNK_BYTES}"),
+    ]:
+        flip(path / leaf, offset)
+        with pytest.raises(ValueError, match=f"{leaf}.*its bytes {chunk} do not match"):
+            SimpleReplayBuffer.load(path, mmap_mode=mmap_mode)
+        flip(path / leaf, offset)  # repaired
+    assert contents(SimpleReplayBuffer.load(path, mmap_mode=mmap_mode)) == contents(buffer)
+
+
+def test_a_damaged_header_byte_is_refused(tmp_path):
+    path = tmp_path / "buf"
+    saved(SimpleReplayBuffer, path)
+    leaf = leaf_of(path, "leaves", shape=[10, 24, 24])
+    with open(path / leaf, "rb") as f:
+        head = f.read(128)
+    pad = head.index(b" \n")  # the header still parses: a space of its padding made a tab
+    with open(path / leaf, "r+b") as f:
+        f.seek(pad)
+        f.write(b"\t")
+    with pytest.raises(ValueError, match=f"{leaf}.*its header does not match its checksum"):
+        SimpleReplayBuffer.load(path)
+
+
+def rechunk(path, leaf, chunk_bytes):
+    """Record the checksums of ``leaf`` in chunks of ``chunk_bytes``, as a save would."""
+    record = meta(path)
+    entry = next(e for e in record["files"] if e["file"] == leaf)
+    data = np.load(path / leaf).reshape(-1).view(np.uint8)
+    chunks = [xxh64(data[lo : lo + chunk_bytes]) for lo in range(0, data.size, chunk_bytes)]
+    entry.update(chunk_bytes=chunk_bytes, chunk_checksums=chunks)
+    utils.dump(record, path / "meta.lz4")
+    return record, entry
+
+
+@pytest.mark.parametrize("mmap_mode", [None, "c"])
+def test_the_recorded_chunk_size_is_used_and_checked(mmap_mode, tmp_path):
+    path = tmp_path / "buf"
+    buffer, leaf = saved_in_chunks(path)
+    record, entry = rechunk(path, leaf, 2**16)  # the smallest size a load accepts
+    assert len(entry["chunk_checksums"]) == -(-10 * 10**6 // 2**16)
+    assert contents(SimpleReplayBuffer.load(path, mmap_mode=mmap_mode)) == contents(buffer)
+    chunks = entry["chunk_checksums"]
+    for change, error in [
+        (dict(chunk_bytes=2**15), "chunk size must be a power of two"),
+        (dict(chunk_bytes=2**31), "chunk size must be a power of two"),
+        (dict(chunk_bytes=3 * 2**16), "chunk size must be a power of two"),
+        (dict(chunk_bytes=float(2**16)), "chunk size must be a power of two"),
+        (dict(chunk_bytes=True), "chunk size must be a power of two"),
+        (dict(chunk_bytes=None), "chunk size must be a power of two"),
+        (dict(chunk_bytes=2**17), "one checksum per 131072 bytes"),
+        (dict(chunk_checksums=chunks[:-1]), "one checksum per 65536 bytes"),
+        (dict(chunk_checksums=[*chunks, 0]), "one checksum per 65536 bytes"),
+        (dict(chunk_checksums=[]), "one checksum per 65536 bytes"),
+        (dict(chunk_checksums=[2**64, *chunks[1:]]), "one checksum per"),
+        (dict(chunk_checksums=[-1, *chunks[1:]]), "one checksum per"),
+        (dict(chunk_checksums=[str(c) for c in chunks]), "one checksum per"),
+        (dict(chunk_checksums=tuple(chunks)), "checksums must be recorded"),
+        (dict(header_checksum=None), "checksums must be recorded"),
+        (dict(chunk_checksums=[chunks[1], chunks[0], *chunks[2:]]), "bytes"),
+    ]:
+        damaged = dict(record, files=[dict(e) for e in record["files"]])
+        next(e for e in damaged["files"] if e["file"] == leaf).update(change)
+        utils.dump(damaged, path / "meta.lz4")
+        with pytest.raises(ValueError, match=f"{leaf}.*{error}"):
+            SimpleReplayBuffer.load(path, mmap_mode=mmap_mode)
+
+
+def test_a_leaf_keeps_its_checksums_over_saves(tmp_path):
+    """The same array saved twice gets the same checksums: they depend on its bytes only."""
+    path = tmp_path / "buf"
+    buffer = saved(SimpleReplayBuffer, path)
+    first = {e["file"]: e for e in meta(path)["files"]}
+    buffer.save(path)
+    assert {e["file"]: e for e in meta(path)["files"]} == first
+    for entry in first.values():
+        data = np.load(path / entry["file"]).reshape(-1).view(np.uint8)
+        assert entry["chunk_checksums"] == ([xxh64(data)] if data.size else [])
+        assert all(0 <= c < 2**64 for c in entry["chunk_checksums"])
 
 
 @pytest.mark.parametrize("mmap_mode", [None, "c"])
