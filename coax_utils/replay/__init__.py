@@ -24,6 +24,12 @@ from coax_utils.replay._minari import save_as_minari
 from coax_utils.replay._record import RecordTransitions
 from coax_utils.replay._record import RecordVectorTransitions
 from coax_utils.replay._seq_common import SequenceReplaySample
+from coax_utils.replay._seq_functional import PrioritizedSequenceBuffer
+from coax_utils.replay._seq_functional import PrioritizedSequenceBufferState
+from coax_utils.replay._seq_functional import SequenceBuffer
+from coax_utils.replay._seq_functional import SequenceBufferState
+from coax_utils.replay._seq_functional import make_prioritized_sequence_buffer
+from coax_utils.replay._seq_functional import make_sequence_buffer
 from coax_utils.replay._seq_host import PrioritizedSequenceReplayBuffer
 from coax_utils.replay._seq_host import SequenceReplayBuffer
 from coax_utils.replay._seq_record import RecordVectorSequences
@@ -51,10 +57,14 @@ __all__ = [
     "PrioritizedFrameStackReplayBuffer",
     "PrioritizedReplayBuffer",
     "PrioritizedSample",
+    "PrioritizedSequenceBuffer",
+    "PrioritizedSequenceBufferState",
     "PrioritizedSequenceReplayBuffer",
     "RecordTransitions",
     "RecordVectorSequences",
     "RecordVectorTransitions",
+    "SequenceBuffer",
+    "SequenceBufferState",
     "SequenceReplayBuffer",
     "SequenceReplaySample",
     "SequenceSample",
@@ -68,6 +78,7 @@ __all__ = [
     "make_frame_stack_buffer",
     "make_prioritized_buffer",
     "make_prioritized_frame_stack_buffer",
+    "make_prioritized_sequence_buffer",
     "make_uniform_buffer",
     "save_as_minari",
 ]
@@ -86,7 +97,11 @@ for _cls in (
     PrioritizedFrameStackReplayBuffer,
     PrioritizedReplayBuffer,
     PrioritizedSample,
+    PrioritizedSequenceBuffer,
+    PrioritizedSequenceBufferState,
     PrioritizedSequenceReplayBuffer,
+    SequenceBuffer,
+    SequenceBufferState,
     SequenceReplayBuffer,
     SequenceReplaySample,
     SequenceSample,

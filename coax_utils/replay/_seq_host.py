@@ -392,8 +392,9 @@ class PrioritizedSequenceReplayBuffer(SequenceReplayBuffer):
 
     over the steps :math:`t` of the window's ``loss_mask`` (R2D2's mixture of the largest
     and the mean absolute TD error), set by :meth:`update`. A new window gets the largest
-    mixture seen so far (1 before any). Samples carry the importance weights of the
-    transition buffers, :math:`(N P(i))^{-\beta}` normalised to a batch maximum of 1.
+    mixture set so far, or 1 if that is larger (as the jittable twin). Samples carry the
+    importance weights of the transition buffers, :math:`(N P(i))^{-\beta}` normalised to
+    a batch maximum of 1.
     Windowing, storage and :meth:`add` are those of :class:`SequenceReplayBuffer`.
 
     Parameters
@@ -456,7 +457,7 @@ class PrioritizedSequenceReplayBuffer(SequenceReplayBuffer):
     def _clear_priorities(self) -> None:
         self._tree = SumTree(self._capacity)
         self._abs_mix = np.zeros(self._capacity, np.float64)
-        self._max_abs_mix: float | None = None
+        self._max_abs_mix = 1.0  # given to new windows; never lowered
 
     def _priority(self, mix: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
@@ -466,7 +467,7 @@ class PrioritizedSequenceReplayBuffer(SequenceReplayBuffer):
         return p
 
     def _set_new_priorities(self, slots: np.ndarray) -> None:
-        mix = 1.0 if self._max_abs_mix is None else self._max_abs_mix
+        mix = self._max_abs_mix
         self._tree.set_values(slots, self._priority(np.full(len(slots), mix)))
         self._abs_mix[slots] = mix
 
@@ -558,4 +559,4 @@ class PrioritizedSequenceReplayBuffer(SequenceReplayBuffer):
         slots, mix, p = slots[keep], mix[keep], p[keep]
         self._tree.set_values(slots, p)  # refuses a total that overflows, changing nothing
         self._abs_mix[slots] = mix
-        self._max_abs_mix = max(self._max_abs_mix or 0.0, float(mix.max()))
+        self._max_abs_mix = max(self._max_abs_mix, float(mix.max()))

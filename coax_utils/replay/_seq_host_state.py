@@ -236,8 +236,7 @@ class SequenceState:
             self._beta = check_float(state["beta"], "beta", low=0)
             self._epsilon = check_float(state["epsilon"], "epsilon", low=0, low_open=True)
             self._eta = check_eta(state["eta"])
-            top = state["max_abs_mix"]
-            top = None if top is None else check_float(top, "max_abs_mix", low=0)
+            top = check_float(state["max_abs_mix"], "max_abs_mix", low=1)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{name} state: {e}") from None
         self._max_abs_top = top
@@ -246,14 +245,13 @@ class SequenceState:
         name = type(self).__name__
         C = self._capacity
         mix = _array(state, "abs_mix", name, np.float64, (C,))
-        top = self._max_abs_top
-        bound = max(1.0, 0.0 if top is None else top)
+        top = bound = self._max_abs_top
         n = len(self)
         filled = mix[:n]
         if not (np.all(np.isfinite(filled)) and np.all(filled >= 0) and np.all(filled <= bound)):
             raise ValueError(
                 f"{name} state: abs_mix of stored windows must be finite, >= 0 and at most "
-                f"max(max_abs_mix, 1) = {bound}"
+                f"max_abs_mix = {bound}"
             )
         if np.any(mix[n:] != 0):
             raise ValueError(f"{name} state: abs_mix must be 0 in empty slots")
