@@ -313,12 +313,14 @@ def test_mutating_the_state_after_save_does_not_change_the_checkpoint(tmp_path):
         buffer.add(transition(i))
     shared = np.arange(6.0)
     donated = jnp.arange(4.0)
+    deleted = jnp.arange(5.0)
     state = {
         "slow": SlowToPickle(0.5),  # first in the dict: the arrays are pickled after 0.5 s
         "arr": shared,
         "alias": shared,
         "params": {
             "w": donated,
+            "v": deleted,
             "key": jax.random.key(3),
             "half": jnp.full(3, 1.5, jnp.bfloat16),
             "weak": jnp.asarray(2.0),  # weakly typed
@@ -329,19 +331,24 @@ def test_mutating_the_state_after_save_does_not_change_the_checkpoint(tmp_path):
     }
     with utils.CheckpointManager(tmp_path) as m:
         m.save(1, state)
-        # the training loop goes on at once: it overwrites, appends and donates
+        # the training loop goes on at once: it overwrites, appends, donates and deletes
         shared[:] = -1
         state["returns"].append(3.0)
         for i in range(3, 6):
             buffer.add(transition(i))
         tracer.add(np.zeros(2, np.float32), 0, 1.0, False)
-        jax.jit(lambda x: x * 0, donate_argnums=0)(donated)
-        assert donated.is_deleted()
+        donate = jax.jit(lambda x: x * 0, donate_argnums=0)
+        donate(donated)  # on the CPU, jax declines it while the pending save views the buffer
+        deleted.delete()
+        assert deleted.is_deleted()
         m.wait()
+        donate(donated)  # the finished save holds nothing: the buffer can be donated now
+        assert donated.is_deleted()
     loaded = utils.load(tmp_path / ckpt(1))
     np.testing.assert_array_equal(loaded["arr"], np.arange(6.0))
     assert loaded["alias"] is loaded["arr"]  # shared references stay shared
     np.testing.assert_array_equal(loaded["params"]["w"], np.arange(4.0))
+    np.testing.assert_array_equal(loaded["params"]["v"], np.arange(5.0))
     assert isinstance(loaded["params"]["w"], jax.Array)
     assert jax.random.key_data(loaded["params"]["key"]).tolist() == (
         jax.random.key_data(jax.random.key(3)).tolist()
@@ -930,3 +937,29 @@ def test_folders_with_metrics_names_are_foreign(tmp_path):
     assert not (tmp_path / ckpt(5)).exists() and not (tmp_path / ckpt(7)).exists()
     with utils.CheckpointManager(tmp_path) as manager:
         assert manager.all_steps() == [6]
+
+
+def test_saves_of_states_that_grow_shrink_and_change_keep_their_own_data(tmp_path):
+    # each background save copies into the memory of the previous save's copies (once that
+    # save is written): every checkpoint must still hold its own state, whatever the sizes
+    rng = np.random.default_rng(0)
+    states = [
+        {"a": rng.random(300_000), "b": np.arange(10)},
+        {"a": rng.random(600_000), "b": rng.integers(0, 9, (700, 300)).astype(np.int8)},
+        {"a": rng.random(100_000).astype(np.float32), "c": np.asfortranarray(rng.random((90, 80)))},
+        {"a": rng.random(600_000), "s": np.zeros(5, [("x", np.int16), ("y", np.float64)])},
+        {"a": np.zeros((0, 3)), "u": rng.integers(0, 255, 2_000_001, dtype=np.uint8)},
+    ]
+    expected = [{k: v.copy() for k, v in s.items()} for s in states]
+    with utils.CheckpointManager(tmp_path, max_to_keep=None) as m:
+        for step, state in enumerate(states):
+            m.save(step, state)
+            for value in state.values():
+                value[...] = 1  # overwritten as soon as save returns
+        m.wait()
+        for step, state in enumerate(expected):
+            restored = m.restore(step)
+            assert restored.keys() == state.keys()
+            for key, value in state.items():
+                np.testing.assert_array_equal(restored[key], value)
+                assert restored[key].dtype == value.dtype and restored[key].shape == value.shape

@@ -6,10 +6,10 @@ Layout of a managed folder::
     ckpt_000000001000.metrics.pkl.lz4    its metrics, when ``save`` was given some
     .coax_utils-lock                     held (``flock``) by the manager that writes here
 
-Both files of a step are written with ``dump`` (temp file in the folder, fsync, rename, folder
-fsync), the metrics first: a step is complete when its checkpoint file exists, and it then has
-its metrics. A new manager removes what killed saves left (temp files of dead writers, metrics
-without a checkpoint); a ``.coax_utils-pending`` folder of older versions is ignored.
+The metrics of a step are written before its checkpoint: a step is complete when its
+checkpoint file exists. A new manager removes what killed saves left (temp files of dead
+writers, metrics without a checkpoint); a ``.coax_utils-pending`` folder of older versions is
+ignored.
 """
 
 from __future__ import annotations
@@ -37,14 +37,12 @@ from coax_utils.utils._checkpoint.io import dump, load
 __all__ = ["CheckpointManager"]
 
 _DIGITS = 12  # zero-padded step numbers: plain `ls` lists the files in step order
-_MAX_STEP = 10**_DIGITS - 1
-# [0-9], not \d: \d also matches other scripts' digits, which int() reads but the names the
-# manager writes never contain
-_CHECKPOINT = re.compile(rf"ckpt_([0-9]{{{_DIGITS}}})\.pkl\.lz4")
-_METRICS = re.compile(rf"ckpt_([0-9]{{{_DIGITS}}})\.metrics\.pkl\.lz4")
+# [0-9], not \d: \d also matches other scripts' digits, which int() reads but the manager's
+# names never contain
+_NAME = re.compile(rf"ckpt_([0-9]{{{_DIGITS}}})(\.metrics)?\.pkl\.lz4")
 _LOCK = ".coax_utils-lock"
-_ALIGN = 64  # the alignment jax needs to adopt host memory without a copy
-_CHUNK = 1 << 23  # bytes per piece of a large array copied on several threads
+_PIECE = 1 << 23  # bytes per piece of the array copies run on a few threads
+_SMALL = 1 << 16  # arrays up to this many bytes are copied during the walk
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
@@ -96,18 +94,72 @@ def _unlink(path: str) -> None:
             raise
 
 
-class _Snapshot:
-    """A copy of an object that nothing the caller does afterwards can change.
+def _copy_arrays(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``np.copyto(dst, src)`` for each pair, in pieces on a few threads (numpy releases the
+    GIL, and the kernel's work on fresh pages runs in parallel too)."""
+    pieces = []
+    for dst, src in pairs:
+        if not (src.flags.forc and dst.strides == src.strides):  # copied whole
+            pieces.append((dst, src))
+            continue
+        d, s = dst.ravel("K"), src.ravel("K")  # views, both in memory order
+        step = max(1, _PIECE // src.itemsize)
+        pieces += [(d[i : i + step], s[i : i + step]) for i in range(0, s.size, step)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(num_threads()) as pool:
+            list(pool.map(lambda piece: np.copyto(*piece), pieces))
+    except RuntimeError:  # the interpreter is exiting (a save from an atexit handler)
+        for dst, src in pieces:
+            np.copyto(dst, src)
 
-    One walk with one memo by ``id`` (shared by :func:`copy.deepcopy`, which copies what
-    the walk does not open), so every object is copied once: shared references stay shared
-    and cycles close. Lists and dicts are opened here, and so is every pytree node (tuples,
-    NamedTuples such as optax states, registered dataclasses), one level at a time. numpy
-    arrays are copied here, and jax arrays to host memory as jax arrays on the CPU device;
-    large ones in pieces on a few threads (page faults and copies run in parallel).
+
+class _Arena:
+    """Memory for the array copies of background saves, kept from one save to the next.
+
+    A save takes its copies from one buffer as large as the previous save needed, so after
+    the first saves a copy touches no fresh pages: the kernel's work on fresh pages (zeroing
+    them, and compacting memory for huge pages) costs more than the copy itself, and varies
+    with the load of the machine. A save must not start before the previous one is written.
     """
 
     def __init__(self) -> None:
+        self._buffer = np.empty(0, np.uint8)
+        self._need = 0  # the bytes the current save has asked for
+
+    def reset(self) -> None:
+        """Start a save (the previous one's copies are no longer used)."""
+        if self._need > self._buffer.size:
+            self._buffer = np.empty(0, np.uint8)  # released before the larger one is taken
+            self._buffer = np.empty(self._need, np.uint8)
+        self._need = 0
+
+    def empty_like(self, x: np.ndarray) -> np.ndarray:
+        start = -(-self._need // 64) * 64  # 64-byte aligned, as numpy aligns its own arrays
+        self._need = start + x.nbytes
+        if self._need > self._buffer.size:  # larger than the last save: fresh memory
+            return np.empty_like(x)
+        return self._buffer[start : self._need].view(x.dtype).reshape(x.shape)
+
+
+class _Snapshot:
+    """A copy of an object that nothing the caller does afterwards can change.
+
+    One walk with one memo by ``id`` (shared with :func:`copy.deepcopy`, which copies what
+    the walk does not open), so every object is copied once: shared references stay shared
+    and cycles close. The walk opens lists, dicts and pytree nodes (tuples, NamedTuples such
+    as optax states, registered dataclasses). numpy arrays get fresh memory during the walk
+    and are copied after it, all together on a few threads.
+
+    jax arrays are not copied: the snapshot holds a read-only numpy view of each one's host
+    memory (on a GPU, the host copy jax fetches), wrapped as a jax array on the CPU device.
+    jax arrays never change, and jax keeps memory that a numpy view still refers to: it
+    declines to donate such a buffer, and deleting the array leaves the memory to the view.
+    Weakly typed arrays (whose type a numpy view loses) are copied by jax.
+    """
+
+    def __init__(self, arena: _Arena) -> None:
+        self._arena = arena
+        arena.reset()
         try:
             self._host: jax.Device | None = jax.devices("cpu")[0]
         except RuntimeError:  # no CPU backend in this process: copy on the array's own device
@@ -116,49 +168,20 @@ class _Snapshot:
         # the originals stay alive until the walk ends, so no id is reused (as in deepcopy)
         self._keep: list[Any] = []
         self._memo[id(self._memo)] = self._keep
-        self._arrays: list[jax.Array] = []
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
 
     def take(self, obj: Any) -> Any:
-        try:
-            out = self._copy(obj)
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown()
-        jax.block_until_ready(self._arrays)
+        out = self._copy(obj)
+        _copy_arrays(self._pairs)
         return out
-
-    def _copyto(self, dst: np.ndarray, src: np.ndarray) -> None:
-        step = _CHUNK // max(1, src.itemsize)
-        if src.size <= 2 * step or not (src.flags.c_contiguous and dst.flags.c_contiguous):
-            np.copyto(dst, src)
-            return
-        d, s = dst.reshape(-1), src.reshape(-1)
-
-        def piece(i: int) -> None:
-            np.copyto(d[i : i + step], s[i : i + step])
-
-        try:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(num_threads())
-            list(self._pool.map(piece, range(0, s.size, step)))
-        except RuntimeError:  # the interpreter is exiting (a save from an atexit handler)
-            np.copyto(dst, src)
 
     def _jax(self, x: jax.Array) -> jax.Array:
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             data = self._jax(jax.random.key_data(x))
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        if self._host is None or x.weak_type:  # a weak type survives jax's own copy only
-            return jax.device_put(x, self._host, may_alias=False)
-        # numpy copies at memory speed (jax's CPU copy is several times slower); a 64-byte
-        # aligned buffer lets device_put adopt the copy as the array's memory
-        src = np.asarray(x)  # a view of a CPU array's memory, or the array fetched from a GPU
-        raw = np.empty(src.nbytes + _ALIGN, np.uint8)
-        skip = -raw.__array_interface__["data"][0] % _ALIGN
-        out = raw[skip : skip + src.nbytes].view(src.dtype).reshape(src.shape)
-        self._copyto(out, src)
-        return jax.device_put(out, self._host, may_alias=True)
+        if self._host is None or x.weak_type:
+            return jax.block_until_ready(jax.device_put(x, self._host, may_alias=False))
+        return jax.device_put(np.asarray(x), self._host, may_alias=True)
 
     def _copy(self, x: Any) -> Any:
         t = type(x)
@@ -168,10 +191,12 @@ class _Snapshot:
             return self._memo[id(x)]
         if isinstance(x, jax.Array):
             y = self._jax(x)
-            self._arrays.append(y)
         elif t is np.ndarray and not x.dtype.hasobject:
-            y = np.empty_like(x)
-            self._copyto(y, x)
+            y = self._arena.empty_like(x)
+            if x.nbytes <= _SMALL:
+                np.copyto(y, x)
+            else:
+                self._pairs.append((y, x))
         elif t is list:  # in the memo before its items: a list may hold itself
             y = self._memo[id(x)] = []
             y.extend(x if _ATOMS.issuperset(map(type, x)) else map(self._copy, x))
@@ -233,11 +258,11 @@ class CheckpointManager:
     checkpoint. See :doc:`/checkpoint_manager` for a walk-through.
 
     **Background saves** (``background=True``): :meth:`save` returns once the state is
-    copied (jax arrays to host memory, the rest as by :func:`copy.deepcopy`, each object
-    once: shared references and cycles are kept); the training loop may then mutate or
-    donate its buffers, while compression and writing run on a background thread. There is
-    never more than one writer, and a background error is raised by the next :meth:`save`,
-    :meth:`wait`, :meth:`restore` or :meth:`close` (printed if the interpreter exits first).
+    copied (each object once, so shared references and cycles are kept); the training loop
+    may then mutate its arrays or donate its jax buffers, while compression and writing run
+    on a background thread. There is never more than one writer, and a background error is
+    raised by the next :meth:`save`, :meth:`wait`, :meth:`restore` or :meth:`close`
+    (printed if the interpreter exits first).
 
     **Retention**: after each save has completed, the manager keeps the newest
     ``max_to_keep`` checkpoints, the oldest one in each window of ``keep_every_n_steps``
@@ -247,8 +272,8 @@ class CheckpointManager:
     **Resume**: ``if manager.latest_step() is not None: state = manager.restore()``. A new
     manager on the folder finds the completed steps and their metrics; :meth:`restore`
     never deletes, renames or forgets a checkpoint on its own, and raises rather than go
-    back silently (see there). One manager at a time writes to a folder (an OS file lock,
-    released when its process ends).
+    back silently. One manager at a time writes to a folder (an OS file lock, released when
+    its process ends).
 
     Parameters
     ----------
@@ -317,10 +342,9 @@ class CheckpointManager:
         self._best_fn = best_fn
         self._best_mode = check_choice(best_mode, "best_mode", ("max", "min"))
         self._background = _check_bool(background, "background")
-        path = os.path.abspath(os.fspath(directory))
+        self._directory = path = os.path.abspath(os.fspath(directory))
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"directory {path!r} exists and is not a folder")
-        self._directory = path
 
         os.makedirs(path, exist_ok=True)
         try:
@@ -337,6 +361,7 @@ class CheckpointManager:
             raise
         self._records_lock = threading.Lock()
         self._writer = _Writer()
+        self._arena = _Arena()
         self._finalizer = weakref.finalize(self, self._writer.finish, lock_fd)
 
     # -- folder ------------------------------------------------------------------------------
@@ -347,15 +372,13 @@ class CheckpointManager:
     def _scan(self) -> dict[int, float | None]:
         """Remove what killed saves left; return {complete step: score}."""
         remove_stale_temps(self._directory)
-        names = os.listdir(self._directory)
-
-        def files(pattern: re.Pattern[str]) -> dict[int, str]:  # folders are not the manager's
-            found = filter(None, map(pattern.fullmatch, names))
-            paths = {int(m[1]): self._path(m[0]) for m in found}
-            return {step: path for step, path in paths.items() if os.path.isfile(path)}
-
-        scores: dict[int, float | None] = dict.fromkeys(files(_CHECKPOINT))
-        for step, path in files(_METRICS).items():
+        checkpoints, metrics = {}, {}
+        for name in os.listdir(self._directory):
+            match = _NAME.fullmatch(name)
+            if match and os.path.isfile(self._path(name)):  # folders are not the manager's
+                (metrics if match[2] else checkpoints)[int(match[1])] = self._path(name)
+        scores: dict[int, float | None] = dict.fromkeys(checkpoints)
+        for step, path in metrics.items():
             if step not in scores:  # a save was killed between the metrics and the checkpoint
                 _unlink(path)
                 continue
@@ -379,16 +402,6 @@ class CheckpointManager:
         check_finite_number(value, f"the score best_fn returned for step {step}")
         return float(value)
 
-    def _retained(self, scores: dict[int, float | None]) -> set[int]:
-        steps = sorted(scores)
-        keep = set(steps if self._max_to_keep is None else steps[-self._max_to_keep :])
-        if self._keep_every is not None:  # the oldest step of each window
-            keep.update({step // self._keep_every: step for step in reversed(steps)}.values())
-        best = self._best(scores)
-        if best is not None:
-            keep.add(best)
-        return keep
-
     def _best(self, scores: dict[int, float | None]) -> int | None:
         sign = 1.0 if self._best_mode == "max" else -1.0
         scored = [(sign * score, step) for step, score in scores.items() if score is not None]
@@ -410,16 +423,17 @@ class CheckpointManager:
             raise
         with self._records_lock:
             self._scores[step] = score
-            dropped = sorted(set(self._scores) - self._retained(self._scores))
+            steps = sorted(self._scores)
+            keep = set(steps[-self._max_to_keep :] if self._max_to_keep else steps)
+            if self._keep_every is not None:  # the oldest step of each window
+                keep.update({s // self._keep_every: s for s in reversed(steps)}.values())
+            keep.add(self._best(self._scores))
+            dropped = [s for s in steps if s not in keep]
             for old in dropped:
                 del self._scores[old]
         for old in dropped:  # the checkpoint first: no step without its metrics
             _unlink(self._path(_name(old)))
             _unlink(self._path(_name(old, ".metrics")))
-
-    def _forget(self, step: int) -> None:
-        with self._records_lock:
-            del self._scores[step]
 
     def _check_open(self) -> None:
         if not self._finalizer.alive:
@@ -462,7 +476,7 @@ class CheckpointManager:
             Whatever the previous background save raised (this save is then not made).
         """
         self._check_open()
-        step = check_int(step, "step", 0, _MAX_STEP)
+        step = check_int(step, "step", 0, 10**_DIGITS - 1)
         metrics = _check_metrics(metrics)
         score = self._score(metrics, step)
         self._writer.wait()  # never two writers; raises the previous save's error
@@ -470,7 +484,7 @@ class CheckpointManager:
         if newest is not None and step <= newest:
             raise ValueError(f"step {step} is not after the newest saved step {newest}")
         if self._background:
-            snapshot = _Snapshot().take(obj)
+            snapshot = _Snapshot(self._arena).take(obj)
             self._writer.start(lambda: self._write(step, snapshot, metrics, score))
         else:
             self._write(step, obj, metrics, score)
@@ -516,7 +530,7 @@ class CheckpointManager:
         """
         self._check_open()
         if step is not None:
-            step = check_int(step, "step", 0, _MAX_STEP)
+            step = check_int(step, "step", 0, 10**_DIGITS - 1)
         safe = _check_bool(safe, "safe")
         quarantine = _check_bool(quarantine, "quarantine")
         self._writer.wait()
@@ -534,18 +548,21 @@ class CheckpointManager:
             try:
                 return load(path, safe=safe)
             except FileNotFoundError as err:  # removed behind the manager's back
-                self._forget(candidate)
-                reason: str = f"its file is gone ({err})"
+                forget, reason = True, f"its file is gone ({err})"
             except CheckpointDamagedError as err:
-                damaged, reason = err, f"it is damaged ({err}); the file is left in place"
+                damaged, forget = err, False
+                reason = f"it is damaged ({err}); the file is left in place"
                 if quarantine:
                     try:
                         os.replace(path, path + ".corrupt")
                     except OSError as rename_error:  # e.g. a folder holds that name
                         reason += f", as it could not be renamed ({rename_error})"
                     else:
-                        self._forget(candidate)
+                        forget = True
                         reason = f"it is damaged ({err}); renamed to {path + '.corrupt'!r}"
+            if forget:
+                with self._records_lock:
+                    del self._scores[candidate]
             warnings.warn(
                 f"not restoring step {candidate}: {reason}; trying an older step",
                 RuntimeWarning,
@@ -582,7 +599,10 @@ class CheckpointManager:
 
         Calling it again does nothing. The manager cannot save or restore afterwards.
         """
-        self._finalizer()
+        try:
+            self._finalizer()
+        finally:
+            self._arena = _Arena()  # the memory of the copies
 
     def __enter__(self) -> CheckpointManager:
         return self
