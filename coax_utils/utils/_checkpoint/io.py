@@ -430,7 +430,7 @@ def load(filepath: str | os.PathLike, safe: bool = False) -> Any:
     with open_regular_file(path) as (fd, size):
         if hasattr(os, "preadv"):
             data: Any = FileSource(fd, size)
-        else:  # read it whole where the OS has no preadv
+        else:  # read it whole where the OS has no preadv (macOS before 11)
             with os.fdopen(os.dup(fd), "rb") as f:
                 data = MemorySource(memoryview(f.read()))
         return _load_from(data, bool(safe), f"file {path!r}")

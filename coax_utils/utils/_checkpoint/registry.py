@@ -104,15 +104,9 @@ _checks: dict[type, Callable[[Any], None]] = {}
 _builtins_loaded = False
 # Modules whose classes are registered on first use; a file never chooses what is imported.
 _PUBLIC_MODULES = (
-    "optax",
-    "optax.contrib",
-    "optax.schedules",
-    "optax.transforms",
-    "optax.tree_utils",
-    "haiku",
-    "haiku.data_structures",
-    "haiku.mixed_precision",
-)
+    "optax optax.contrib optax.schedules optax.transforms optax.tree_utils "
+    "haiku haiku.data_structures haiku.mixed_precision"
+).split()
 
 
 def is_namedtuple(cls: type) -> bool:
