@@ -37,7 +37,8 @@ What an auditor of ``safe=True`` needs to hold, and all that it needs:
    what it refers to: the nodes so counted stay within ``reference_budget`` of the
    structure's size, and their nesting within ``MAX_DEPTH``, so no hash, comparison or
    repr of the result takes more than the file warrants. Keys of dicts and sets may not
-   share hashes in bulk. Weak jax arrays are rebuilt without compiling anything.
+   share hashes in bulk. Jax arrays, each of which takes a fixed time to create, stay within
+   ``jax_array_budget`` of the file's size; weak ones are rebuilt without compiling.
 4. States (of stateful objects and RNGs) are read whole: no reference leads into or out of
    them, so no two restored objects share one.
 
@@ -306,8 +307,7 @@ class Decoder(Scoped):
             return complex(re_, im)
         if tag in ("y", "Y"):
             (b,) = self._args(tag, args, 1)
-            n = self.buffers[b][2] if type(b) is int and 0 <= b < len(self.buffers) else -1
-            data = self._buffer(b, n)
+            data = self._buffer(b)
             return data.tobytes() if tag == "y" else bytearray(data)
         if tag in _CONTAINERS:
             _, items = self._args(tag, args, 2)
