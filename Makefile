@@ -55,10 +55,15 @@ lint: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -b html doc doc/_build/html
 
+# Every benchmark against its peers; those that feed a figure also write their figures as
+# JSON (--results, into benchmarks/results/), from which plot.py draws doc/_static/bench_*.png.
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) -m pip install --quiet --no-deps coax
-	@for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+	@for f in benchmarks/bench_*.py; do n=$$(basename $$f .py); echo "== $$f"; \
+		$(PY) $$f $$(grep -q "_results.add_argument" $$f && echo --results benchmarks/results/$${n#bench_}.json) \
+		|| exit 1; done
+	$(PY) benchmarks/plot.py benchmarks/results doc/_static
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) doc/_build runs .pytest_cache

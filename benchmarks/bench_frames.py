@@ -29,6 +29,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
 from bench_replay import report, round_robin  # noqa: E402
 
 from coax_utils.replay import (  # noqa: E402
@@ -95,7 +96,7 @@ def memory_child(n: int) -> None:
     print(json.dumps(dict(before=before, after=after, len=len(buffer), frames=buffer.frame_count)))
 
 
-def memory(n: int) -> None:
+def memory(n: int) -> dict:
     # a fixed mmap threshold: glibc returns freed temporaries (batches being added) to the
     # OS instead of keeping them in the heap, so RSS measures the buffer
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "262144"}
@@ -116,6 +117,14 @@ def memory(n: int) -> None:
     print(
         f"  extrapolated to 1M transitions: {per * 1e6 / 1e9:.2f} GB buffer, process "
         f"{total / 1e9:.2f} GB (target <= 7.5 GB; frames alone {FRAME_BYTES * 1e6 / 1e9:.2f} GB)"
+    )
+    # stacked storage keeps S and S_next whole: 2 k frames per transition
+    return dict(
+        transitions=n,
+        bytes_per_transition=per,
+        stacked_bytes=2 * K * FRAME_BYTES,
+        frame_bytes=FRAME_BYTES,
+        frames_stored=r["frames"],
     )
 
 
@@ -437,14 +446,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", default="", help="sections to run, e.g. 4,5 (default: all)")
     parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
+    _results.add_argument(parser)
     args = parser.parse_args()
     if args.memory_child is not None:
         memory_child(args.memory_child)
         return
     reps, rep_seconds = (3, 0.05) if args.quick else (7, 0.2)
     only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5}
-    if 1 in only:
-        memory(20_000 if args.quick else 100_000)
+    if 1 in only:  # at a few sizes: the cost per transition does not grow with the buffer
+        sizes = (2_000, 5_000) if args.quick else (10_000, 30_000, 100_000)
+        _results.write(args.results, "frames_memory", [memory(n) for n in sizes])
     if only & {2, 3}:
         host(10_000 if args.quick else 100_000, reps, rep_seconds)
     if 4 in only:

@@ -37,6 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
+
 from coax_utils.utils import SumTree, sum_tree_init, sum_tree_sample, sum_tree_set, sum_tree_values
 
 GRID_N = [2**14, 2**17, 2**20]
@@ -294,6 +297,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few-second smoke run")
     parser.add_argument("--reps", type=int, default=None)
+    _results.add_argument(parser)
     args = parser.parse_args(argv)
     if args.quick:
         # TV noise grows as 1 / sqrt(draws): 20k draws need a looser bound than 200k
@@ -315,10 +319,14 @@ def main(argv=None):
     print("PER step (sample B + update B), microseconds per step: median [min-max]")
     header = f"{'N':>8} {'B':>5} " + "".join(f"{name:>25}" for name in names)
     print(header + "   ratios (peer median / coax_utils median)")
-    worst = {}
+    worst, rows = {}, []
     for n, b in grid:
         times, ok = time_config(n, b, reps, target_s, names)
         med = {k: statistics.median(v) for k, v in times.items()}
+        rows += [
+            dict(N=n, B=b, variant=k, median_us=med[k], min_us=min(t), max_us=max(t), ok=ok[k])
+            for k, t in times.items()
+        ]
         cells = []
         for name in names:
             t = times[name]
@@ -331,6 +339,7 @@ def main(argv=None):
     print("(? marks a variant whose stored priorities did not match the last update)")
     ratio = min(r for _, r in worst.values())
     print(f"\nslowest margin over the fastest peer: {ratio:.2f}x")
+    _results.write(args.results, "segment_tree", rows)
     fails = [k for k, tv in tvs.items() if tv >= threshold]
     print("sampling check failures:", ", ".join(f"{v} B={b}" for v, b in fails) or "none")
 

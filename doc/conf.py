@@ -47,4 +47,8 @@ exclude_patterns = ["_build"]
 html_theme = "alabaster"
 html_static_path = ["_static"]
 html_theme_options = {"description": "RL utilities for JAX, Haiku and optax"}
-nitpicky = False
+# Every reference to a coax_utils name must resolve (with -W a broken one fails the build);
+# references to other projects' names cannot be checked without intersphinx and are skipped.
+# :doc: and :ref: links are always checked.
+nitpicky = True
+nitpick_ignore_regex = [(r"py:.*", r"(?!coax_utils\.).*")]
