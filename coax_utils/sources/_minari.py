@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from typing import Any
 
 import jax
@@ -16,9 +18,6 @@ from coax_utils.sources._base import (
     PyTree,
     check_ordering,
     check_positive_int,
-    check_state,
-    epoch_permutation,
-    refresh_order,
 )
 
 __all__ = ["MinariSource", "MinariSourceState"]
@@ -30,14 +29,12 @@ class MinariSourceState:
 
     Attributes
     ----------
-    order : jax.Array
-        int32 array of shape ``(transitions,)``: the transitions in this epoch's order.
-    position : jax.Array
-        int32 scalar: how many batches of the current epoch have been emitted.
     key : jax.Array
-        PRNG key from which the next epoch's order is drawn.
+        The PRNG key given to ``init_state``; with ``epoch`` it seeds each epoch's order.
     epoch : jax.Array
         int32 scalar: number of completed epochs.
+    position : jax.Array
+        int32 scalar: how many batches of the current epoch have been emitted.
     buffer : pytree of jax.Array
         The prefetched batches (leading axis ``prefetch``).
     buffer_mask : jax.Array
@@ -45,18 +42,14 @@ class MinariSourceState:
     buffer_start : jax.Array
         int32 scalar: the batch position of ``buffer[0]``; -1 when the buffer holds nothing
         of the current epoch.
-    reshuffle : jax.Array
-        bool scalar: True right after an epoch ends.
     """
 
-    order: jax.Array
-    position: jax.Array
     key: jax.Array
     epoch: jax.Array
+    position: jax.Array
     buffer: PyTree
     buffer_mask: jax.Array
     buffer_start: jax.Array
-    reshuffle: jax.Array
 
 
 class _Chunk:
@@ -121,7 +114,9 @@ class MinariSource(CompiledNext):
     Data reach the compiled loop through :func:`jax.experimental.io_callback`: one callback
     gathers the next ``prefetch`` batches at once on the host (a NumPy fancy index into
     arrays held in memory) and the following calls read them from the state, so a
-    :func:`jax.lax.scan` over an epoch leaves XLA only once every ``prefetch`` steps.
+    :func:`jax.lax.scan` over an epoch leaves XLA only once every ``prefetch`` steps. A
+    background thread gathers the following ``prefetch`` batches while the loop computes, so
+    the callback only hands over arrays that are ready.
 
     Data larger than memory: with ``chunk_steps`` the episodes are grouped into chunks of
     consecutive episodes of about that many transitions, and only the chunks a prefetch
@@ -138,7 +133,8 @@ class MinariSource(CompiledNext):
     batch_size : int
         Transitions (or windows) per batch.
     ordering : {"shuffle", "sequential"}
-        ``"shuffle"``: a new order every epoch, drawn from the state's key;
+        ``"shuffle"``: a new order every epoch (drawn on the host by NumPy from the bits
+        of the state's key and the epoch number: the same key gives the same orders);
         ``"sequential"``: the episodes' order.
     window : int, optional
         Emit windows of this many steps instead of single transitions.
@@ -251,6 +247,10 @@ class MinariSource(CompiledNext):
             jax.ShapeDtypeStruct((self._prefetch, *s.shape), s.dtype) for s in self._spec_leaves
         ]
         self._mask_spec = jax.ShapeDtypeStruct((self._prefetch, *lead), np.dtype(np.bool_))
+        self._epoch_order: tuple = (None, None)  # (key bits and epoch, order), on the host
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._ahead: tuple = (None, None)  # (what, future) of the refill prepared ahead
+        self._lock = threading.Lock()
 
     @property
     def steps_per_epoch(self) -> int:
@@ -280,15 +280,12 @@ class MinariSource(CompiledNext):
             chunk = self._memory[c] = _Chunk(episodes)
         return chunk
 
-    def _fetch(self, indices: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-        """Host side: the transitions at ``indices`` (-1: padding), stacked in batches."""
+    def _gather(self, indices: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        """The transitions at ``indices`` (-1: padding), stacked in batches."""
         flat = np.asarray(indices).reshape(-1)
         valid = flat >= 0
         if np.any(flat >= self._length):
-            raise ValueError(
-                f"MinariSource: the state's order holds an index beyond the "
-                f"{self._length} transitions (a damaged state, or one of another source?)"
-            )
+            raise ValueError(f"MinariSource: asked for a transition beyond the {self._length} held")
         index = np.where(valid, flat, 0)
         chunk_of = self._chunk_of[index]
         needed = np.unique(chunk_of[valid]) if valid.any() else np.zeros(1, np.int32)
@@ -308,14 +305,57 @@ class MinariSource(CompiledNext):
             flat_mask[rows] = step_mask.reshape(len(rows), -1)
         return out, mask
 
-    def _order(self, key: jax.Array) -> jax.Array:
-        if self._ordering == "sequential" or len(self._chunk_ids) == 1:
-            return epoch_permutation(key, self._length, self._ordering == "shuffle")
-        chunk_key, row_key = jax.random.split(key)
-        chunk_rank = jax.random.permutation(chunk_key, len(self._chunk_ids))
-        tiebreak = jax.random.permutation(row_key, self._length)
-        order = jnp.lexsort((tiebreak, chunk_rank[jnp.asarray(self._chunk_of)]))
-        return order.astype(jnp.int32)
+    def _order(self, bits: np.ndarray, epoch: int) -> np.ndarray:
+        """The transitions in the order of ``epoch``, drawn from the key's bits (cached)."""
+        tag = (bits.tobytes(), epoch)
+        if self._epoch_order[0] == tag:
+            return self._epoch_order[1]
+        if self._ordering == "sequential":
+            order = np.arange(self._length)
+        else:
+            rng = np.random.default_rng([*bits.reshape(-1).astype(np.uint32).tolist(), epoch])
+            starts = self._chunk_starts
+            order = np.concatenate(
+                [
+                    starts[c] + rng.permutation(starts[c + 1] - starts[c])
+                    for c in rng.permutation(len(self._chunk_ids))
+                ]
+            )
+        self._epoch_order = (tag, order)
+        return order
+
+    def _prepare(self, bits: np.ndarray, epoch: int, position: int) -> tuple:
+        """The ``prefetch`` batches of ``epoch`` starting at batch ``position``."""
+        size = self._prefetch * self._batch_size
+        start = position * self._batch_size
+        with self._lock:  # the prefetch thread and a refill that did not wait for it
+            order = self._order(bits, epoch)[start : start + size]
+            indices = np.full(size, -1, np.int64)
+            indices[: len(order)] = order
+            return self._gather(indices)
+
+    def _fetch(self, bits: Any, epoch: Any, position: Any) -> tuple:
+        """Host side of a refill: the batches asked for, then the next ones prepared in the
+        background (the next refill of this epoch, or the first of the next epoch)."""
+        bits = np.asarray(bits)
+        epoch, position = int(np.asarray(epoch)), int(np.asarray(position))
+        if not 0 <= position < self._steps_per_epoch:
+            raise ValueError(
+                f"MinariSource: the state's position {position} lies outside the "
+                f"{self._steps_per_epoch} batches of an epoch (a damaged state?)"
+            )
+        tag = (bits.tobytes(), epoch, position)
+        ahead_tag, ahead = self._ahead
+        result = ahead.result() if ahead is not None and ahead_tag == tag else None
+        if result is None:
+            result = self._prepare(bits, epoch, position)
+        nxt = position + self._prefetch
+        nxt_epoch, nxt = (epoch, nxt) if nxt < self._steps_per_epoch else (epoch + 1, 0)
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, "minari-prefetch")
+        future = self._executor.submit(self._prepare, bits, nxt_epoch, nxt)
+        self._ahead = ((bits.tobytes(), nxt_epoch, nxt), future)
+        return result
 
     def init_state(self, key: jax.Array) -> MinariSourceState:
         """Return the state at the start of epoch 0 (nothing fetched yet).
@@ -331,47 +371,36 @@ class MinariSource(CompiledNext):
         return compiled(key)
 
     def _init_state(self, key: jax.Array) -> MinariSourceState:
-        key, order_key = jax.random.split(key)
         return MinariSourceState(
-            order=self._order(order_key),
-            position=jnp.zeros([], jnp.int32),
             key=key,
             epoch=jnp.zeros([], jnp.int32),
+            position=jnp.zeros([], jnp.int32),
             buffer=jax.tree_util.tree_unflatten(
                 self._treedef, [jnp.zeros(s.shape, s.dtype) for s in self._fetch_leaves]
             ),
             buffer_mask=jnp.zeros(self._mask_spec.shape, jnp.bool_),
             buffer_start=jnp.full([], -1, jnp.int32),
-            reshuffle=jnp.zeros([], jnp.bool_),
         )
 
     def _refill(self, state: MinariSourceState) -> MinariSourceState:
         """Gather the ``prefetch`` batches that start at ``state.position``."""
-        shuffle = self._ordering == "shuffle"
-        if shuffle:
-
-            def fresh(key: jax.Array, order: jax.Array) -> tuple[jax.Array, jax.Array]:
-                key, order_key = jax.random.split(key)
-                return self._order(order_key), key
-
-            order, key = jax.lax.cond(
-                state.reshuffle, fresh, lambda key, order: (order, key), state.key, state.order
-            )
-        else:
-            order, key = refresh_order(state.key, state.order, state.reshuffle, False)
-        size = self._prefetch * self._batch_size
-        offsets = state.position * self._batch_size + jnp.arange(size, dtype=jnp.int32)
-        inside = offsets < self._length
-        picked = order[jnp.minimum(offsets, self._length - 1)] if shuffle else offsets
-        indices = jnp.where(inside, picked, -1).reshape(self._prefetch, self._batch_size)
-        leaves, mask = io_callback(self._fetch, (self._fetch_leaves, self._mask_spec), indices)
+        key = state.key
+        bits = (
+            jax.random.key_data(key)
+            if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+            else key
+        )
+        leaves, mask = io_callback(
+            self._fetch,
+            (self._fetch_leaves, self._mask_spec),
+            bits,
+            state.epoch,
+            state.position,
+        )
         return state.replace(
-            order=order,
-            key=key,
             buffer=jax.tree_util.tree_unflatten(self._treedef, leaves),
             buffer_mask=mask,
             buffer_start=state.position,
-            reshuffle=jnp.zeros([], jnp.bool_),
         )
 
     def next(self, state: MinariSourceState) -> tuple[PyTree, jax.Array, MinariSourceState]:
@@ -387,8 +416,12 @@ class MinariSource(CompiledNext):
         return self._compiled_next(state)
 
     def _next(self, state: MinariSourceState) -> tuple[PyTree, jax.Array, MinariSourceState]:
-        check_state(state, MinariSourceState, self._length, self)
-        if tuple(np.shape(state.buffer_mask)) != tuple(self._mask_spec.shape):
+        if not isinstance(state, MinariSourceState):
+            raise TypeError(f"{self!r}.next needs a MinariSourceState, got {type(state).__name__}")
+        shapes = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(state.buffer)]
+        if tuple(np.shape(state.buffer_mask)) != tuple(self._mask_spec.shape) or shapes != [
+            tuple(s.shape) for s in self._fetch_leaves
+        ]:
             raise ValueError(f"{self!r}.next got the state of another source (its buffer)")
         stale = jnp.logical_or(
             state.buffer_start < 0, state.position >= state.buffer_start + self._prefetch
@@ -404,14 +437,18 @@ class MinariSource(CompiledNext):
             position=jnp.where(epoch_ends, 0, position).astype(jnp.int32),
             epoch=state.epoch + epoch_ends.astype(jnp.int32),
             buffer_start=jnp.where(epoch_ends, -1, state.buffer_start).astype(jnp.int32),
-            reshuffle=jnp.logical_or(state.reshuffle, epoch_ends),
         )
         return batch, mask, new_state
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.pop("_jit_init", None)
+        state["_executor"], state["_ahead"], state["_lock"] = None, (None, None), None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (
