@@ -15,8 +15,12 @@ pending:
 
 - ``utils.dumps``: the synchronous serialization of the state (the loop waits for all of it);
 - ``manager.save``: how long ``save`` blocks the caller with ``background=True`` (the snapshot
-  of the state); compression and writing then run on a background thread.
+  of the state); compression and writing then run on a background thread;
+- ``bare copy``: ``np.copy`` of every array leaf of the state into fresh memory (for the list
+  state, ``list(x)``): what a snapshot that copied everything would cost at least.
 
+The warm-up makes two saves: a manager keeps the memory of its copies from one save to the
+next, so only its first saves take fresh memory; the stall of the first save is reported too.
 Reported: the medians (min-max) of wall and CPU time (all threads of the process; the stall's
 CPU time also counts what the writer thread does before ``save`` returns), the ratios stall /
 dumps (target: at most 0.15; on a loaded machine the CPU ratio is the steadier), the time until
@@ -41,6 +45,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from bench_checkpoint import assert_same, make_checkpoint, nbytes
 
 from coax_utils import utils
@@ -61,68 +66,81 @@ def steps_per_second(until: Callable[[], bool], w: jax.Array, min_seconds: float
 
 
 def bench_state(
-    name: str, size: str, state: Any, check: Callable[[Any], None], folder: str, repeats: int
+    name: str,
+    size: str,
+    state: Any,
+    check: Callable[[Any], None],
+    bare: Callable[[], Any],
+    folder: str,
+    repeats: int,
 ) -> tuple[list[str], float, float]:
     manager = utils.CheckpointManager(tempfile.mkdtemp(dir=folder), max_to_keep=2)
     w = jnp.full((64, 64), 0.01, jnp.float32)
     step = 0
-    dumps_s: list[float] = []
-    stall_s: list[float] = []
-    dumps_cpu: list[float] = []
-    stall_cpu: list[float] = []
-    total_s: list[float] = []
+    times: dict[str, list[float]] = {
+        k: [] for k in ("dumps", "dumps_cpu", "save", "save_cpu", "bare", "bare_cpu", "total")
+    }
     loop_ratio: list[float] = []
 
-    def timed_dumps() -> None:
+    def timed(key: str, fn: Callable[[], Any]) -> None:
         c0, t0 = time.process_time(), time.perf_counter()
-        blob = utils.dumps(state)
-        dumps_s.append(time.perf_counter() - t0)
-        dumps_cpu.append(time.process_time() - c0)
-        del blob
+        out = fn()
+        times[key].append(time.perf_counter() - t0)
+        times[key + "_cpu"].append(time.process_time() - c0)
+        del out
 
     def timed_save() -> None:
         nonlocal step
         step += 1
-        c0, t0 = time.process_time(), time.perf_counter()
-        manager.save(step, state)
-        stall_s.append(time.perf_counter() - t0)
-        stall_cpu.append(time.process_time() - c0)
+        t0 = time.perf_counter()
+        timed("save", lambda: manager.save(step, state))
         # train while the background save writes; the step shows up once it is complete
         busy = steps_per_second(lambda: manager.latest_step() == step, w)
-        total_s.append(time.perf_counter() - t0)
+        times["total"].append(time.perf_counter() - t0)
         manager.wait()
         idle = steps_per_second(lambda: True, w, min_seconds=0.3)
         loop_ratio.append(busy / idle)
 
-    for fn in (timed_dumps, timed_save):  # warm-up (jit, page cache, allocator)
+    rounds = [lambda: timed("bare", bare), lambda: timed("dumps", lambda: utils.dumps(state))]
+    rounds.append(timed_save)
+    for fn in rounds + [timed_save]:  # warm-up (jit, page cache, the manager's memory)
         os.sync()
         fn()
-    for times in (dumps_s, stall_s, dumps_cpu, stall_cpu, total_s, loop_ratio):
-        times.clear()
+    first_save = times["save"][0]
+    for values in times.values():
+        values.clear()
+    loop_ratio.clear()
     for _ in range(repeats):
-        for fn in (timed_dumps, timed_save):
+        for fn in rounds:
             os.sync()
             fn()
     check(manager.restore())
     manager.close()
 
-    def cell(xs: list[float]) -> str:
+    def cell(key: str) -> str:
+        xs = times[key]
         return f"{statistics.median(xs) * 1e3:8.0f} ({min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f})"
 
-    ratio = statistics.median(stall_s) / statistics.median(dumps_s)
-    cpu_ratio = statistics.median(stall_cpu) / statistics.median(dumps_cpu)
+    def ratio(key: str, over: str) -> float:
+        return statistics.median(times[key]) / statistics.median(times[over])
+
     return (
         [
             f"{name}: {size}",
-            f"  utils.dumps (synchronous)       ms {cell(dumps_s)}   CPU ms {cell(dumps_cpu)}",
-            f"  manager.save stall (background) ms {cell(stall_s)}   CPU ms {cell(stall_cpu)}",
-            f"  stall/dumps: wall {ratio:.3f}, CPU {cpu_ratio:.3f}",
-            f"  save until complete             ms {cell(total_s)}",
+            f"  utils.dumps (synchronous)       ms {cell('dumps')}   CPU ms {cell('dumps_cpu')}",
+            f"  manager.save stall (background) ms {cell('save')}   CPU ms {cell('save_cpu')}",
+            f"  bare copy (fresh memory)        ms {cell('bare')}   CPU ms {cell('bare_cpu')}",
+            f"  stall/dumps: wall {ratio('save', 'dumps'):.3f}, "
+            f"CPU {ratio('save_cpu', 'dumps_cpu'):.3f}",
+            f"  bare copy/dumps: wall {ratio('bare', 'dumps'):.3f}, "
+            f"CPU {ratio('bare_cpu', 'dumps_cpu'):.3f}",
+            f"  first save of the manager: stall {first_save * 1e3:.0f} ms",
+            f"  save until complete             ms {cell('total')}",
             f"  training steps/s during the background write: "
             f"{statistics.median(loop_ratio):.2f} of the rate without one",
         ],
-        ratio,
-        cpu_ratio,
+        ratio("save", "dumps"),
+        ratio("save_cpu", "dumps_cpu"),
     )
 
 
@@ -148,19 +166,32 @@ def main() -> None:
         assert restored["self"] is restored
         assert_same({k: v for k, v in restored.items() if k != "self"}, agent)
 
+    def copy_arrays(tree: Any) -> Callable[[], list]:
+        leaves = [x for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype")]
+        return lambda: [np.copy(np.asarray(x)) for x in leaves]
+
     mb = f"{nbytes(agent) / 1e6:.0f} MB"
+    agent_copy = copy_arrays(agent)
     states = [
-        ("agent (jax params + numpy replay)", mb, agent, lambda r: assert_same(r, agent)),
-        ("all leaves jax arrays", mb, all_jax, lambda r: assert_same(r, all_jax)),
-        ("[x] * 20, x a list of ints", f"{len(x)} ints", [x] * 20, same_list),
-        ("cyclic agent (holds itself)", mb, cyclic, same_cycle),
+        (
+            "agent (jax params + numpy replay)",
+            mb,
+            agent,
+            lambda r: assert_same(r, agent),
+            agent_copy,
+        ),
+        ("all leaves jax arrays", mb, all_jax, lambda r: assert_same(r, all_jax), agent_copy),
+        ("[x] * 20, x a list of ints", f"{len(x)} ints", [x] * 20, same_list, lambda: list(x)),
+        ("cyclic agent (holds itself)", mb, cyclic, same_cycle, agent_copy),
     ]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"{os.cpu_count()} CPUs, repeats={args.repeats}, load average {load:.1f}")
     out, ratios, cpu_ratios = [], [], []
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
-        for name, size, state, check in states:
-            lines, ratio, cpu_ratio = bench_state(name, size, state, check, folder, args.repeats)
+        for name, size, state, check, bare in states:
+            lines, ratio, cpu_ratio = bench_state(
+                name, size, state, check, bare, folder, args.repeats
+            )
             out += lines
             ratios.append(ratio)
             cpu_ratios.append(cpu_ratio)

@@ -1,16 +1,7 @@
-"""CheckpointManager: numbered checkpoints in one folder, background saves and retention.
-
-Layout of a managed folder::
-
-    ckpt_000000001000.pkl.lz4            the checkpoint of step 1000 (written with ``dump``)
-    ckpt_000000001000.metrics.pkl.lz4    its metrics, when ``save`` was given some
-    .coax_utils-lock                     held (``flock``) by the manager that writes here
-
-The metrics of a step are written before its checkpoint: a step is complete when its
-checkpoint file exists. A new manager removes what killed saves left (temp files of dead
-writers, metrics without a checkpoint); a ``.coax_utils-pending`` folder of older versions is
-ignored.
-"""
+"""CheckpointManager: numbered checkpoints in one folder (``ckpt_<step>.pkl.lz4``, and
+``ckpt_<step>.metrics.pkl.lz4`` written before it), background saves and retention; the folder
+is held by a ``flock`` on ``.coax_utils-lock``. A ``.coax_utils-pending`` folder of older
+versions is ignored."""
 
 from __future__ import annotations
 
@@ -20,6 +11,7 @@ import numbers
 import os
 import re
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -37,8 +29,7 @@ from coax_utils.utils._checkpoint.io import dump, load
 __all__ = ["CheckpointManager"]
 
 _DIGITS = 12  # zero-padded step numbers: plain `ls` lists the files in step order
-# [0-9], not \d: \d also matches other scripts' digits, which int() reads but the manager's
-# names never contain
+# [0-9], not \d: \d also matches other scripts' digits, which int() reads
 _NAME = re.compile(rf"ckpt_([0-9]{{{_DIGITS}}})(\.metrics)?\.pkl\.lz4")
 _LOCK = ".coax_utils-lock"
 _PIECE = 1 << 23  # bytes per piece of the array copies run on a few threads
@@ -66,20 +57,18 @@ def _check_metrics(metrics: Any) -> dict[str, bool | int | float | str] | None:
         return None
     if not isinstance(metrics, Mapping):
         raise TypeError(f"metrics must be None or a dict, got {type(metrics).__name__}")
-    plain: dict[str, bool | int | float | str] = {}
+    plain = {}
     for key, value in metrics.items():
-        if not isinstance(key, str):
-            raise TypeError(f"metrics keys must be str, got {key!r}")
-        if not isinstance(value, str):
-            number = isinstance(value, (numbers.Number, np.generic, np.ndarray, jax.Array))
-            arr = np.asarray(value) if number else None
-            if arr is None or arr.ndim != 0 or arr.dtype.kind not in "biuf":
-                raise TypeError(
-                    f"metrics[{key!r}] must be a str or a real scalar (bool, int, float, or "
-                    f"a 0-d numpy/jax array of such), got {value!r}"
-                )
-            value = arr.item()
-        plain[key] = value
+        number = isinstance(value, (numbers.Number, np.generic, np.ndarray, jax.Array))
+        arr = np.asarray(value) if number else np.asarray(None)
+        if not isinstance(key, str) or not (
+            isinstance(value, str) or arr.ndim == 0 and arr.dtype.kind in "biuf"
+        ):
+            raise TypeError(
+                "metrics must map str keys to a str or a real scalar (bool, int, float, or a "
+                f"0-d numpy/jax array of such), got {key!r}: {value!r}"
+            )
+        plain[key] = value if isinstance(value, str) else arr.item()
     return plain
 
 
@@ -87,101 +76,84 @@ def _unlink(path: str) -> None:
     """Remove the file or link ``path``; a missing one, or a folder of that name, stays."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
-        pass
     except OSError:
-        if os.path.islink(path) or not os.path.isdir(path):
+        if os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
             raise
 
 
-def _copy_arrays(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    """``np.copyto(dst, src)`` for each pair, in pieces on a few threads (numpy releases the
-    GIL, and the kernel's work on fresh pages runs in parallel too)."""
-    pieces = []
-    for dst, src in pairs:
-        if not (src.flags.forc and dst.strides == src.strides):  # copied whole
-            pieces.append((dst, src))
-            continue
-        d, s = dst.ravel("K"), src.ravel("K")  # views, both in memory order
-        step = max(1, _PIECE // src.itemsize)
-        pieces += [(d[i : i + step], s[i : i + step]) for i in range(0, s.size, step)]
-    try:
-        with concurrent.futures.ThreadPoolExecutor(num_threads()) as pool:
-            list(pool.map(lambda piece: np.copyto(*piece), pieces))
-    except RuntimeError:  # the interpreter is exiting (a save from an atexit handler)
-        for dst, src in pieces:
-            np.copyto(dst, src)
+class _Background:
+    """The background saves of a manager: a snapshot of the state, then one writer thread.
 
-
-class _Arena:
-    """Memory for the array copies of background saves, kept from one save to the next.
-
-    A save takes its copies from one buffer as large as the previous save needed, so after
-    the first saves a copy touches no fresh pages: the kernel's work on fresh pages (zeroing
-    them, and compacting memory for huge pages) costs more than the copy itself, and varies
-    with the load of the machine. A save must not start before the previous one is written.
+    The snapshot is a copy that nothing the caller does afterwards can change: one walk with
+    one memo by ``id`` (shared with :func:`copy.deepcopy`, which copies what the walk does not
+    open: all but lists, dicts and pytree nodes) copies each object once, so shared references
+    stay shared and cycles close. numpy arrays are copied after the walk, in pieces on a few
+    threads, into one buffer kept from one save to the next: after the first saves a copy
+    touches no fresh pages, which the kernel would have to zero and compact first. jax arrays
+    are not copied: the snapshot holds a read-only numpy view of each one's host memory (on a
+    GPU, the host copy jax fetches), as a jax array on the CPU device. jax keeps the memory a
+    view refers to: it declines to donate such a buffer, and deleting the array leaves the
+    memory to the view. Weakly typed arrays, whose type a view loses, are copied by jax.
     """
 
     def __init__(self) -> None:
-        self._buffer = np.empty(0, np.uint8)
-        self._need = 0  # the bytes the current save has asked for
-
-    def reset(self) -> None:
-        """Start a save (the previous one's copies are no longer used)."""
-        if self._need > self._buffer.size:
-            self._buffer = np.empty(0, np.uint8)  # released before the larger one is taken
-            self._buffer = np.empty(self._need, np.uint8)
-        self._need = 0
-
-    def empty_like(self, x: np.ndarray) -> np.ndarray:
-        start = -(-self._need // 64) * 64  # 64-byte aligned, as numpy aligns its own arrays
-        self._need = start + x.nbytes
-        if self._need > self._buffer.size:  # larger than the last save: fresh memory
-            return np.empty_like(x)
-        return self._buffer[start : self._need].view(x.dtype).reshape(x.shape)
-
-
-class _Snapshot:
-    """A copy of an object that nothing the caller does afterwards can change.
-
-    One walk with one memo by ``id`` (shared with :func:`copy.deepcopy`, which copies what
-    the walk does not open), so every object is copied once: shared references stay shared
-    and cycles close. The walk opens lists, dicts and pytree nodes (tuples, NamedTuples such
-    as optax states, registered dataclasses). numpy arrays get fresh memory during the walk
-    and are copied after it, all together on a few threads.
-
-    jax arrays are not copied: the snapshot holds a read-only numpy view of each one's host
-    memory (on a GPU, the host copy jax fetches), wrapped as a jax array on the CPU device.
-    jax arrays never change, and jax keeps memory that a numpy view still refers to: it
-    declines to donate such a buffer, and deleting the array leaves the memory to the view.
-    Weakly typed arrays (whose type a numpy view loses) are copied by jax.
-    """
-
-    def __init__(self, arena: _Arena) -> None:
-        self._arena = arena
-        arena.reset()
         try:
             self._host: jax.Device | None = jax.devices("cpu")[0]
         except RuntimeError:  # no CPU backend in this process: copy on the array's own device
             self._host = None
-        self._memo: dict[int, Any] = {}
+        self._buffer = np.empty(0, np.uint8)
+        self._need = 0  # the bytes of the buffer the current snapshot asked for
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, obj: Any, write: Callable[[Any], None]) -> None:
+        """Take a snapshot of ``obj``, then run ``write(snapshot)`` on the writer thread."""
+        self.wait()  # the previous snapshot is no longer used: its buffer serves this one
+        if self._need > self._buffer.size:
+            self._buffer = np.empty(0, np.uint8)  # released before the larger one is taken
+            self._buffer = np.empty(self._need, np.uint8)
+        self._need, self._pairs = 0, []
         # the originals stay alive until the walk ends, so no id is reused (as in deepcopy)
         self._keep: list[Any] = []
-        self._memo[id(self._memo)] = self._keep
-        self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        self._memo: dict[int, Any] = {}
+        self._memo[id(self._memo)] = self._keep  # where copy.deepcopy keeps its originals
+        try:
+            snapshot = self._copy(obj)
+            self._copy_arrays()
+        finally:
+            del self._memo, self._keep, self._pairs
+        # not a daemon: at interpreter exit Python waits for the write to finish
+        self._thread = threading.Thread(
+            target=self._run, args=(write, snapshot), name="coax_utils-checkpoint-writer"
+        )
+        self._thread.start()
 
-    def take(self, obj: Any) -> Any:
-        out = self._copy(obj)
-        _copy_arrays(self._pairs)
-        return out
+    def _run(self, write: Callable[[Any], None], snapshot: Any) -> None:
+        time.sleep(0)  # hands the GIL back: the caller goes on before the write starts
+        try:
+            write(snapshot)
+        except BaseException as err:  # raised by the caller's next save, wait or close
+            self._error = err
 
-    def _jax(self, x: jax.Array) -> jax.Array:
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            data = self._jax(jax.random.key_data(x))
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        if self._host is None or x.weak_type:
-            return jax.block_until_ready(jax.device_put(x, self._host, may_alias=False))
-        return jax.device_put(np.asarray(x), self._host, may_alias=True)
+    def wait(self) -> None:
+        """Wait for the pending write; raise its error, if it failed (once)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def finish(self, lock_fd: int) -> None:
+        """Finish the pending write, then release the folder (close() and interpreter exit)."""
+        try:
+            self.wait()
+        finally:
+            os.close(lock_fd)
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._buffer = np.empty(0, np.uint8)
 
     def _copy(self, x: Any) -> Any:
         t = type(x)
@@ -192,7 +164,12 @@ class _Snapshot:
         if isinstance(x, jax.Array):
             y = self._jax(x)
         elif t is np.ndarray and not x.dtype.hasobject:
-            y = self._arena.empty_like(x)
+            start = -(-self._need // 64) * 64  # 64-byte aligned, as numpy aligns arrays
+            self._need = start + x.nbytes
+            if self._need > self._buffer.size:  # more than the last save: fresh memory
+                y = np.empty_like(x)
+            else:
+                y = self._buffer[start : self._need].view(x.dtype).reshape(x.shape)
             if x.nbytes <= _SMALL:
                 np.copyto(y, x)
             else:
@@ -216,40 +193,32 @@ class _Snapshot:
         self._keep.append(x)
         return y
 
+    def _jax(self, x: jax.Array) -> jax.Array:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = self._jax(jax.random.key_data(x))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        if self._host is None or x.weak_type:
+            return jax.block_until_ready(jax.device_put(x, self._host, may_alias=False))
+        return jax.device_put(np.asarray(x), self._host, may_alias=True)
 
-class _Writer:
-    """Runs one background job at a time; its error is raised by the next ``wait``."""
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def start(self, job: Callable[[], None]) -> None:
-        def run() -> None:
-            try:
-                job()
-            except BaseException as err:  # kept for the caller's next save/wait/close
-                self._error = err
-
-        self.wait()
-        # not a daemon: at interpreter exit Python waits for the job to finish
-        self._thread = threading.Thread(target=run, name="coax_utils-checkpoint-writer")
-        self._thread.start()
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-
-    def finish(self, lock_fd: int) -> None:
-        """Finish the pending save, then release the folder (close() and interpreter exit)."""
+    def _copy_arrays(self) -> None:
+        pieces = []
+        for dst, src in self._pairs:
+            if not (src.flags.forc and dst.strides == src.strides):
+                pieces.append((dst, src))  # copied whole
+                continue
+            d, s = dst.ravel("K"), src.ravel("K")  # views, both in memory order
+            step = max(1, _PIECE // src.itemsize)
+            pieces += [(d[i : i + step], s[i : i + step]) for i in range(0, s.size, step)]
         try:
-            self.wait()
-        finally:
-            os.close(lock_fd)
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    num_threads(), thread_name_prefix="coax_utils-checkpoint-copy"
+                )
+            list(self._pool.map(lambda piece: np.copyto(*piece), pieces))
+        except RuntimeError:  # the interpreter is exiting (a save from an atexit handler)
+            for dst, src in pieces:
+                np.copyto(dst, src)
 
 
 class CheckpointManager:
@@ -257,23 +226,11 @@ class CheckpointManager:
     written with :func:`dump`): background saves, retention, and restore of the newest
     checkpoint. See :doc:`/checkpoint_manager` for a walk-through.
 
-    **Background saves** (``background=True``): :meth:`save` returns once the state is
-    copied (each object once, so shared references and cycles are kept); the training loop
-    may then mutate its arrays or donate its jax buffers, while compression and writing run
-    on a background thread. There is never more than one writer, and a background error is
-    raised by the next :meth:`save`, :meth:`wait`, :meth:`restore` or :meth:`close`
-    (printed if the interpreter exits first).
-
-    **Retention**: after each save has completed, the manager keeps the newest
-    ``max_to_keep`` checkpoints, the oldest one in each window of ``keep_every_n_steps``
-    steps (``[0, n)``, ``[n, 2n)``, ...) and the best one by ``best_fn(metrics)``, and
-    deletes the others; a process killed at any moment leaves every completed step.
-
-    **Resume**: ``if manager.latest_step() is not None: state = manager.restore()``. A new
-    manager on the folder finds the completed steps and their metrics; :meth:`restore`
-    never deletes, renames or forgets a checkpoint on its own, and raises rather than go
-    back silently. One manager at a time writes to a folder (an OS file lock, released when
-    its process ends).
+    After each save has completed, the manager keeps the newest ``max_to_keep`` checkpoints,
+    the oldest one in each window of ``keep_every_n_steps`` steps (``[0, n)``, ``[n, 2n)``,
+    ...) and the best one by ``best_fn(metrics)``, and deletes the others; a process killed at
+    any moment leaves every completed step. One manager at a time writes to a folder (an OS
+    file lock, released when its process ends).
 
     Parameters
     ----------
@@ -292,6 +249,9 @@ class CheckpointManager:
         Whether a higher or a lower score is better.
     background : bool, optional
         Write on a background thread (``True``) or before :meth:`save` returns (``False``).
+        There is never more than one writer; a background error is raised by the next
+        :meth:`save`, :meth:`wait`, :meth:`restore` or :meth:`close` (printed if the
+        interpreter exits first).
 
     Raises
     ------
@@ -335,6 +295,7 @@ class CheckpointManager:
             os.fspath(directory), str
         ):
             raise TypeError(f"directory must be a str or os.PathLike of str, got {directory!r}")
+        path = os.path.abspath(os.fspath(directory))
         self._max_to_keep = _check_count(max_to_keep, "max_to_keep")
         self._keep_every = _check_count(keep_every_n_steps, "keep_every_n_steps")
         if best_fn is not None and not callable(best_fn):
@@ -342,10 +303,9 @@ class CheckpointManager:
         self._best_fn = best_fn
         self._best_mode = check_choice(best_mode, "best_mode", ("max", "min"))
         self._background = _check_bool(background, "background")
-        self._directory = path = os.path.abspath(os.fspath(directory))
+        self._directory = path
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"directory {path!r} exists and is not a folder")
-
         os.makedirs(path, exist_ok=True)
         try:
             lock_fd = lock_file(self._path(_LOCK), blocking=False)
@@ -355,16 +315,12 @@ class CheckpointManager:
                 f"{self._path(_LOCK)!r}); close that one first"
             ) from None
         try:
-            self._scores = self._scan()
+            self._scores = self._scan()  # {complete step: score}
         except BaseException:
             os.close(lock_fd)
             raise
-        self._records_lock = threading.Lock()
-        self._writer = _Writer()
-        self._arena = _Arena()
-        self._finalizer = weakref.finalize(self, self._writer.finish, lock_fd)
-
-    # -- folder ------------------------------------------------------------------------------
+        self._saves = _Background()
+        self._finalizer = weakref.finalize(self, self._saves.finish, lock_fd)
 
     def _path(self, name: str) -> str:
         return os.path.join(self._directory, name)
@@ -382,9 +338,7 @@ class CheckpointManager:
             if step not in scores:  # a save was killed between the metrics and the checkpoint
                 _unlink(path)
                 continue
-            try:
-                # metrics from disk may predate this best_fn (a missing key, a NaN): such a
-                # step has no score, and the folder still opens
+            try:  # metrics may predate this best_fn (a missing key): the step has no score
                 scores[step] = self._score(_check_metrics(load(path, safe=True)), step)
             except Exception as err:
                 warnings.warn(
@@ -404,12 +358,10 @@ class CheckpointManager:
 
     def _best(self, scores: dict[int, float | None]) -> int | None:
         sign = 1.0 if self._best_mode == "max" else -1.0
-        scored = [(sign * score, step) for step, score in scores.items() if score is not None]
+        scored = [(sign * s, step) for step, s in scores.items() if s is not None]
         return max(scored)[1] if scored else None  # ties: the newest step
 
-    def _write(
-        self, step: int, obj: Any, metrics: dict[str, Any] | None, score: float | None
-    ) -> None:
+    def _write(self, step: int, obj: Any, metrics: dict | None, score: float | None) -> None:
         """Write one step (metrics first, then the checkpoint), then apply retention."""
         metrics_path = self._path(_name(step, ".metrics"))
         if metrics is not None:
@@ -421,25 +373,21 @@ class CheckpointManager:
         except BaseException:  # no metrics of a step that is not there
             _unlink(metrics_path)
             raise
-        with self._records_lock:
-            self._scores[step] = score
-            steps = sorted(self._scores)
-            keep = set(steps[-self._max_to_keep :] if self._max_to_keep else steps)
-            if self._keep_every is not None:  # the oldest step of each window
-                keep.update({s // self._keep_every: s for s in reversed(steps)}.values())
-            keep.add(self._best(self._scores))
-            dropped = [s for s in steps if s not in keep]
-            for old in dropped:
-                del self._scores[old]
-        for old in dropped:  # the checkpoint first: no step without its metrics
+        scores = {**self._scores, step: score}
+        steps = sorted(scores)
+        keep = set(steps[-self._max_to_keep :] if self._max_to_keep else steps)
+        if self._keep_every is not None:  # the oldest step of each window
+            keep.update({s // self._keep_every: s for s in reversed(steps)}.values())
+        keep.add(self._best(scores))
+        # a new dict, never changed once set: other threads read it without a lock
+        self._scores = {s: scores[s] for s in steps if s in keep}
+        for old in set(steps) - keep:  # the checkpoint first: no step without its metrics
             _unlink(self._path(_name(old)))
             _unlink(self._path(_name(old, ".metrics")))
 
     def _check_open(self) -> None:
         if not self._finalizer.alive:
             raise ValueError(f"the CheckpointManager of {self._directory!r} is closed")
-
-    # -- public API --------------------------------------------------------------------------
 
     @property
     def directory(self) -> str:
@@ -449,9 +397,9 @@ class CheckpointManager:
     def save(self, step: int, obj: Any, metrics: Mapping[str, Any] | None = None) -> None:
         """Save ``obj`` as the checkpoint of ``step``.
 
-        With ``background=True`` this returns once ``obj`` is copied (see the class
-        docstring) and the file is written on a background thread; otherwise once the
-        checkpoint is complete and the retention rules are applied.
+        With ``background=True`` this returns once ``obj`` is copied (each object once, so
+        shared references and cycles are kept), and the loop may then mutate its arrays or
+        donate its jax buffers; otherwise once the checkpoint is complete and retained.
 
         Parameters
         ----------
@@ -479,28 +427,25 @@ class CheckpointManager:
         step = check_int(step, "step", 0, 10**_DIGITS - 1)
         metrics = _check_metrics(metrics)
         score = self._score(metrics, step)
-        self._writer.wait()  # never two writers; raises the previous save's error
+        self._saves.wait()  # never two writers; raises the previous save's error
         newest = self.latest_step()
         if newest is not None and step <= newest:
             raise ValueError(f"step {step} is not after the newest saved step {newest}")
         if self._background:
-            snapshot = _Snapshot(self._arena).take(obj)
-            self._writer.start(lambda: self._write(step, snapshot, metrics, score))
+            self._saves.start(obj, lambda snapshot: self._write(step, snapshot, metrics, score))
         else:
             self._write(step, obj, metrics, score)
 
     def restore(self, step: int | None = None, safe: bool = False, quarantine: bool = False) -> Any:
-        """Load a checkpoint (after waiting for a pending save).
+        """Load and return a checkpoint (after waiting for a pending save).
 
-        What happens when :func:`load` fails depends on why:
-
-        - :class:`CheckpointNotReadableError` (intact, but not readable by this process: a
-          type not registered, 64-bit arrays with ``jax_enable_x64`` off, a pickle section
-          with ``safe=True``, a newer format) and any error but the next: raised at once,
-          nothing touched. Fix the set-up and call ``restore`` again.
-        - :class:`CheckpointDamagedError` (damaged or forged): with ``step=None``, the next
-          older step is tried, with a :class:`RuntimeWarning` naming the step and the
-          reason. The file and its step stay, unless ``quarantine=True``.
+        If :func:`load` raises :class:`CheckpointDamagedError` (damaged or forged) and
+        ``step=None``, the next older step is tried, with a :class:`RuntimeWarning` naming
+        the step and the reason; the file and its step stay, unless ``quarantine=True``. Any
+        other error, e.g. :class:`CheckpointNotReadableError` (intact, but not readable by
+        this process: a type not registered, 64-bit arrays with ``jax_enable_x64`` off, a
+        pickle section with ``safe=True``, a newer format) is raised at once, nothing touched:
+        fix the set-up and call ``restore`` again.
 
         Parameters
         ----------
@@ -511,11 +456,6 @@ class CheckpointManager:
         quarantine : bool, optional
             Rename each damaged checkpoint skipped to ``<name>.corrupt`` and drop its step,
             so that training can go on and save the steps after the restored one.
-
-        Returns
-        -------
-        obj : object
-            The restored object.
 
         Raises
         ------
@@ -533,7 +473,7 @@ class CheckpointManager:
             step = check_int(step, "step", 0, 10**_DIGITS - 1)
         safe = _check_bool(safe, "safe")
         quarantine = _check_bool(quarantine, "quarantine")
-        self._writer.wait()
+        self._saves.wait()
         steps = self.all_steps()
         if not steps or (step is not None and step not in steps):
             which = "any step" if step is None else f"step {step}"
@@ -550,19 +490,17 @@ class CheckpointManager:
             except FileNotFoundError as err:  # removed behind the manager's back
                 forget, reason = True, f"its file is gone ({err})"
             except CheckpointDamagedError as err:
-                damaged, forget = err, False
-                reason = f"it is damaged ({err}); the file is left in place"
-                if quarantine:
-                    try:
+                damaged, forget, reason = err, False, f"it is damaged ({err})"
+                try:
+                    if quarantine:
                         os.replace(path, path + ".corrupt")
-                    except OSError as rename_error:  # e.g. a folder holds that name
-                        reason += f", as it could not be renamed ({rename_error})"
-                    else:
-                        forget = True
-                        reason = f"it is damaged ({err}); renamed to {path + '.corrupt'!r}"
+                        forget, reason = True, f"{reason}; renamed to {path + '.corrupt'!r}"
+                except OSError as rename_error:  # e.g. a folder holds that name
+                    reason += f"; it could not be renamed ({rename_error})"
+                if not forget:
+                    reason += "; the file is left in place"
             if forget:
-                with self._records_lock:
-                    del self._scores[candidate]
+                self._scores = {s: v for s, v in self._scores.items() if s != candidate}
             warnings.warn(
                 f"not restoring step {candidate}: {reason}; trying an older step",
                 RuntimeWarning,
@@ -576,33 +514,27 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest complete step, or ``None``; a save still running is not counted."""
-        with self._records_lock:
-            return max(self._scores, default=None)
+        return max(self._scores, default=None)
 
     def best_step(self) -> int | None:
         """The complete step with the best ``best_fn`` score, or ``None`` (no ``best_fn``, or
         no step saved with metrics)."""
-        with self._records_lock:
-            return self._best(self._scores)
+        return self._best(self._scores)
 
     def all_steps(self) -> list[int]:
         """The complete steps in the folder, oldest first."""
-        with self._records_lock:
-            return sorted(self._scores)
+        return sorted(self._scores)
 
     def wait(self) -> None:
         """Wait for the pending background save; raise its error, if it failed."""
-        self._writer.wait()
+        self._saves.wait()
 
     def close(self) -> None:
         """Finish the pending save and release the folder; raise the save's error, if any.
 
         Calling it again does nothing. The manager cannot save or restore afterwards.
         """
-        try:
-            self._finalizer()
-        finally:
-            self._arena = _Arena()  # the memory of the copies
+        self._finalizer()
 
     def __enter__(self) -> CheckpointManager:
         return self
