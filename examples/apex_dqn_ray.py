@@ -27,6 +27,10 @@ coax_utils installed)::
 or as a quick check (what CI runs; well under a minute)::
 
     python examples/apex_dqn_ray.py --smoke
+
+At the end it evaluates the learner's greedy policy over 10 episodes and writes the learning
+curve (every worker's episode returns against the env steps of all workers) to
+``runs/apex_dqn_ray/returns.csv``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import argparse
 import os
 import time
 
+import _common
 import gymnasium
 import haiku as hk
 import jax
@@ -54,13 +59,17 @@ from coax_utils.replay import PrioritizedReplayBuffer
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.make_parser(
+        __doc__.splitlines()[0],
+        outdir="runs/apex_dqn_ray",
+        num_steps=6000,
+        steps_help="learner steps (updates) of a full run",
+    )
     parser.add_argument("--address", default=None, help="Ray cluster address (default: local)")
     parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local cluster")
     parser.add_argument("--temp-dir", default=None, help="Ray temp dir of the local cluster")
     parser.add_argument("--env", default="CartPole-v1")
     parser.add_argument("--num-workers", type=int, default=2)
-    parser.add_argument("--learner-steps", type=int, default=6000)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1000, help="transitions before training")
     parser.add_argument("--capacity", type=int, default=50_000, help="over all shards")
@@ -73,11 +82,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--publish-every", type=int, default=50, help="learner steps")
     parser.add_argument("--log-every", type=int, default=500, help="learner steps")
     parser.add_argument("--checkpoint", default=None, help="save the replay buffer here")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true", help="a tiny run that checks the setup")
     args = parser.parse_args()
     if args.smoke:
-        args.learner_steps, args.warmup, args.batch_size = 200, 200, 32
+        args.num_steps, args.warmup, args.batch_size = 200, 200, 32
         args.log_every, args.capacity = 100, 5000
     return args
 
@@ -213,8 +220,11 @@ def main() -> None:
     sampler = PrefetchingSampler(
         replay, args.batch_size, num_in_flight=args.prefetch, timeout=120.0
     )
+    # the learning curve: every worker's episodes, each stamped with the env steps of all
+    # workers together when the learner saw it end (it asks every `publish_every` steps)
+    returns, episode_ends, seen = [], [], [0] * args.num_workers
     tic = time.perf_counter()
-    for step in range(1, args.learner_steps + 1):
+    for step in range(1, args.num_steps + 1):
         batch = sampler.sample()  # waits only if the rate limiter holds the learner back
         fields = (batch.S, batch.A, batch.Rn, batch.In, batch.S_next, batch.W)
         params, target_params, opt_state, loss, td = train_step(
@@ -223,18 +233,26 @@ def main() -> None:
         sampler.update(batch.idx, np.abs(np.asarray(td)))  # sent without waiting
         if step % args.publish_every == 0:
             store.set.remote(jax.device_get(params))
-        if step % args.log_every == 0 or step == args.learner_steps:
+        log = step % args.log_every == 0 or step == args.num_steps
+        if step % args.publish_every == 0 or log:
             stats = ray.get([w.stats.remote() for w in workers])
+            env_steps = sum(s["steps"] for s in stats)
+            for i, s in enumerate(stats):
+                new = min(s["episodes"] - seen[i], len(s["episode_returns"]))
+                returns.extend(s["episode_returns"][len(s["episode_returns"]) - new :])
+                episode_ends.extend([env_steps] * new)
+                seen[i] = s["episodes"]
+        if log:
             # mean return of the last 10 episodes of each worker (most exploring first)
-            returns = " ".join(
+            recent = " ".join(
                 f"{np.mean(s['episode_returns'][-10:]) if s['episode_returns'] else 0.0:5.1f}"
                 for s in stats
             )
             print(
                 f"learner step {step:6d}  loss {float(loss):7.4f}  "
                 f"replay {replay.size():6d}  "
-                f"env steps {sum(s['steps'] for s in stats):7d}  "
-                f"returns {returns}  "
+                f"env steps {env_steps:7d}  "
+                f"returns {recent}  "
                 f"{step / (time.perf_counter() - tic):4.0f} updates/s",
                 flush=True,
             )
@@ -250,11 +268,21 @@ def main() -> None:
     acknowledged = sum(s["transitions_added"] for s in final)
     sent = sum(s["transitions_sent"] for s in final)
     print(
-        f"done in {time.perf_counter() - start:.1f} s: {args.learner_steps} learner steps, "
+        f"done in {time.perf_counter() - start:.1f} s: {args.num_steps} learner steps, "
         f"{sum(s['steps'] for s in final)} env steps, {num_added} transitions received by "
         f"{args.num_shards} shards, samples per insert {counts['samples'] / counts['inserts']:.2f}"
         f" (target {args.samples_per_insert}), {ray.get(store.version.remote())} parameter "
         "versions",
+        flush=True,
+    )
+    q_values = jax.jit(q.apply)
+    greedy = lambda s: int(np.argmax(q_values(params, s[None].astype(np.float32))[0]))
+    num_eval = 2 if args.smoke else 10
+    avg = _common.evaluate(env, greedy, num_eval, seed=10_000)
+    curve = _common.write_returns(args.outdir, episode_ends, returns)
+    print(
+        f"evaluation: average return {avg:.1f} over {num_eval} greedy episodes of the "
+        f"learner's policy; learning curve in {curve}",
         flush=True,
     )
     if args.checkpoint:

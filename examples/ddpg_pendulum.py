@@ -16,17 +16,17 @@ What it shows:
    picklable jitted update (``utils.jit``) with the buffer state donated.
 
 It prints progress while it trains, evaluates the noiseless policy over 10 episodes at the
-end and writes the parameters to ``runs/ddpg_pendulum/params.pkl.lz4`` (``utils.dump``). Run
-it with ``python examples/ddpg_pendulum.py`` (``--smoke`` for a short run that only checks
-the plumbing).
+end, and writes the parameters (``params.pkl.lz4``, ``utils.dump``) and the learning curve
+(``returns.csv``) to ``runs/ddpg_pendulum/``. Run it with ``python examples/ddpg_pendulum.py``
+(``--smoke`` for a short run that only checks the plumbing).
 """
 
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
+from typing import NamedTuple
 
+import _common
 import gymnasium as gym
 import haiku as hk
 import jax
@@ -62,6 +62,17 @@ critic_opt = optax.adam(1e-3)
 buffer = make_uniform_buffer(capacity=100_000)
 
 
+class DDPGState(NamedTuple):
+    """The networks' parameters, their targets (Polyak averages) and optimizer states."""
+
+    actor: hk.Params
+    critic: hk.Params
+    actor_target: hk.Params
+    critic_target: hk.Params
+    actor_opt: optax.OptState
+    critic_opt: optax.OptState
+
+
 def act(actor_params, key, s, noise_state, explore):
     """The policy's action for one observation, plus OU noise when ``explore`` is True."""
     a = actor.apply(actor_params, s[None])[0]
@@ -74,8 +85,8 @@ def act(actor_params, key, s, noise_state, explore):
 
 
 def critic_loss(critic_params, state, batch):
-    a_next = actor.apply(state["actor_target"], batch["s_next"])
-    q_next = critic.apply(state["critic_target"], batch["s_next"], a_next)
+    a_next = actor.apply(state.actor_target, batch["s_next"])
+    q_next = critic.apply(state.critic_target, batch["s_next"], a_next)
     target = batch["r"] + GAMMA * (1.0 - batch["terminated"]) * q_next
     q = critic.apply(critic_params, batch["s"], batch["a"])
     return jnp.mean(jnp.square(q - jax.lax.stop_gradient(target)))
@@ -92,24 +103,16 @@ def train_step(state, buffer_state, transition, key, learn):
 
     def learn_fn(state):
         batch = buffer.sample(buffer_state, key, BATCH_SIZE)
-        q_loss, grads = jax.value_and_grad(critic_loss)(state["critic"], state, batch)
-        updates, critic_opt_state = critic_opt.update(grads, state["critic_opt"])
-        critic_params = optax.apply_updates(state["critic"], updates)
-        pi_loss, grads = jax.value_and_grad(actor_loss)(state["actor"], critic_params, batch)
-        updates, actor_opt_state = actor_opt.update(grads, state["actor_opt"])
-        actor_params = optax.apply_updates(state["actor"], updates)
-        new = {
-            "actor": actor_params,
-            "critic": critic_params,
-            "actor_target": optax.incremental_update(
-                actor_params, state["actor_target"], TARGET_TAU
-            ),
-            "critic_target": optax.incremental_update(
-                critic_params, state["critic_target"], TARGET_TAU
-            ),
-            "actor_opt": actor_opt_state,
-            "critic_opt": critic_opt_state,
-        }
+        q_loss, grads = jax.value_and_grad(critic_loss)(state.critic, state, batch)
+        updates, critic_opt_state = critic_opt.update(grads, state.critic_opt)
+        critic_params = optax.apply_updates(state.critic, updates)
+        pi_loss, grads = jax.value_and_grad(actor_loss)(state.actor, critic_params, batch)
+        updates, actor_opt_state = actor_opt.update(grads, state.actor_opt)
+        actor_params = optax.apply_updates(state.actor, updates)
+        actor_target = optax.incremental_update(actor_params, state.actor_target, TARGET_TAU)
+        critic_target = optax.incremental_update(critic_params, state.critic_target, TARGET_TAU)
+        opt_states = (actor_opt_state, critic_opt_state)
+        new = DDPGState(actor_params, critic_params, actor_target, critic_target, *opt_states)
         return new, jnp.stack([q_loss, pi_loss])
 
     def skip(state):
@@ -123,76 +126,44 @@ act_jit = utils.jit(act)
 train_step_jit = utils.jit(train_step, donate_argnums=(1,))
 
 
-def evaluate(actor_params, env: gym.Env, noise_state, num_episodes: int, seed: int) -> float:
-    key = jax.random.PRNGKey(seed)
-    returns = []
-    for i in range(num_episodes):
-        s, _ = env.reset(seed=seed + i)
-        done, total = False, 0.0
-        while not done:
-            a, _ = act_jit(actor_params, key, s.astype(np.float32), noise_state, False)
-            s, r, terminated, truncated, _ = env.step(np.asarray(a))
-            total += float(r)
-            done = terminated or truncated
-        returns.append(total)
-    return float(np.mean(returns))
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a short run checking the plumbing")
-    parser.add_argument("--outdir", default="runs/ddpg_pendulum")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-steps", type=int, default=20_000)
+    parser = _common.make_parser(
+        __doc__.splitlines()[0], outdir="runs/ddpg_pendulum", seed=0, num_steps=20_000
+    )
     args = parser.parse_args()
-
     t_start = time.perf_counter()
     num_steps = 300 if args.smoke else args.num_steps
-    warmup = 150 if args.smoke else 1_000
-    log_every = 100 if args.smoke else 2_000
+    warmup, log_every = (150, 100) if args.smoke else (1_000, 2_000)
 
     env = gym.make("Pendulum-v1")
     s, _ = env.reset(seed=args.seed)
-    key = jax.random.PRNGKey(args.seed)
-    key, actor_key, critic_key = jax.random.split(key, 3)
+    key, actor_key, critic_key = jax.random.split(jax.random.PRNGKey(args.seed), 3)
     s0, a0 = jnp.zeros((1, 3), jnp.float32), jnp.zeros((1, 1), jnp.float32)
-    actor_params = actor.init(actor_key, s0)
-    critic_params = critic.init(critic_key, s0, a0)
-    state = {
-        "actor": actor_params,
-        "critic": critic_params,
-        "actor_target": actor_params,
-        "critic_target": critic_params,
-        "actor_opt": actor_opt.init(actor_params),
-        "critic_opt": critic_opt.init(critic_params),
-    }
-    example = {
-        "s": np.zeros(3, np.float32),
-        "a": np.zeros(1, np.float32),
-        "r": np.float32(0.0),
-        "terminated": np.float32(0.0),
-        "s_next": np.zeros(3, np.float32),
-    }
+    actor_params, critic_params = actor.init(actor_key, s0), critic.init(critic_key, s0, a0)
+    opt_states = (actor_opt.init(actor_params), critic_opt.init(critic_params))
+    state = DDPGState(actor_params, critic_params, actor_params, critic_params, *opt_states)
+    a_example, r_example = np.zeros(1, np.float32), np.float32(0)
+    example = {"s": s, "a": a_example, "r": r_example, "terminated": r_example, "s_next": s}
     buffer_state = buffer.init(example)
     # The pure OU process: a pytree state, advanced inside the jitted act function.
     noise_state = utils.ou_noise_init(
         a0[0], sigma=OU_SIGMA, theta=OU_THETA, min_value=-MAX_ACTION, max_value=MAX_ACTION
     )
 
-    returns, ep_return, losses = [], 0.0, np.zeros(2)
+    returns, episode_ends, ep_return, losses = [], [], 0.0, np.zeros(2)
     t0 = time.perf_counter()
     for step in range(1, num_steps + 1):
         key, act_key, train_key = jax.random.split(key, 3)
-        a, noise_state = act_jit(state["actor"], act_key, s.astype(np.float32), noise_state, True)
+        a, noise_state = act_jit(state.actor, act_key, s, noise_state, True)
         a = np.asarray(a)
         s_next, r, terminated, truncated, _ = env.step(a)
         ep_return += float(r)
         transition = {
-            "s": s.astype(np.float32),
-            "a": a.astype(np.float32),
+            "s": s,
+            "a": a,
             "r": np.float32(r),
             "terminated": np.float32(terminated),  # the time limit is not a terminal state
-            "s_next": s_next.astype(np.float32),
+            "s_next": s_next,
         }
         state, buffer_state, losses = train_step_jit(
             state, buffer_state, transition, train_key, step >= warmup
@@ -200,30 +171,26 @@ def main() -> int:
         s = s_next
         if terminated or truncated:
             returns.append(ep_return)
+            episode_ends.append(step)
             ep_return = 0.0
             s, _ = env.reset()
             noise_state = utils.ou_noise_reset(noise_state)
         if step % log_every == 0:
-            recent = returns[-5:]
             q_loss, pi_loss = np.asarray(losses)
-            print(
-                f"step {step:6d}  episodes {len(returns):4d}  "
-                f"avg return (last 5) {np.mean(recent) if recent else float('nan'):7.1f}  "
-                f"critic loss {q_loss:8.3f}  actor loss {pi_loss:8.3f}  "
-                f"{step / (time.perf_counter() - t0):5.0f} steps/s",
-                flush=True,
+            _common.print_progress(
+                step, returns, t0, window=5, critic_loss=q_loss, actor_loss=pi_loss
             )
 
-    eval_env = gym.make("Pendulum-v1")
     num_eval = 1 if args.smoke else 10
-    avg = evaluate(state["actor"], eval_env, noise_state, num_episodes=num_eval, seed=10_000)
-    outdir = Path(args.outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
-    utils.dump({"actor": state["actor"], "critic": state["critic"]}, outdir / "params.pkl.lz4")
-    elapsed = time.perf_counter() - t_start
+    greedy = lambda s: np.asarray(act_jit(state.actor, key, s, noise_state, False)[0])
+    avg = _common.evaluate(gym.make("Pendulum-v1"), greedy, num_eval, seed=10_000)
+    args.outdir.mkdir(parents=True, exist_ok=True)
+    utils.dump({"actor": state.actor, "critic": state.critic}, args.outdir / "params.pkl.lz4")
+    curve = _common.write_returns(args.outdir, episode_ends, returns)
     print(
         f"evaluation: average return {avg:.1f} over {num_eval} noiseless episodes after "
-        f"{num_steps} steps ({elapsed:.0f} s); parameters in {outdir / 'params.pkl.lz4'}"
+        f"{num_steps} steps ({time.perf_counter() - t_start:.0f} s); parameters in "
+        f"{args.outdir / 'params.pkl.lz4'}, learning curve in {curve}"
     )
     if args.smoke:
         print("smoke run OK")

@@ -11,7 +11,8 @@ What it shows:
 3. a Haiku convolutional Q-network (the Nature DQN torso) trained with optax on the
    importance-weighted Huber loss, the TD errors fed back as priorities;
 4. the buffer saved with ``save`` (a folder of ``.npy`` files, each leaf checksummed) and
-   read back with ``load``.
+   read back with ``load``; the learning curve in ``returns.csv`` (written every 10,000
+   steps).
 
 Needs the ``atari`` extra (``pip install coax_utils[atari]``). ``--smoke`` runs a few hundred
 steps with a small buffer, as CI does; a real run needs millions of steps (and a GPU).
@@ -19,10 +20,9 @@ steps with a small buffer, as CI does; a real run needs millions of steps (and a
 
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 
+import _common
 import gymnasium as gym
 import haiku as hk
 import jax
@@ -64,22 +64,21 @@ def q_network(s: jnp.ndarray, num_actions: int) -> jnp.ndarray:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a short run that checks plumbing")
-    parser.add_argument("--steps", type=int, default=5_000_000)
-    parser.add_argument("--outdir", type=Path, default=Path("runs/dqn_atari"))
+    parser = _common.make_parser(
+        __doc__.splitlines()[0], outdir="runs/dqn_atari", num_steps=5_000_000
+    )
     args = parser.parse_args()
 
     if args.smoke:
         steps, capacity, warmup, batch_size, max_ep = 160, 1_000, 80, 8, 60
     else:
-        steps, capacity, warmup, batch_size, max_ep = args.steps, 1_000_000, 50_000, 32, None
+        steps, capacity, warmup, batch_size, max_ep = args.num_steps, 1_000_000, 50_000, 32, None
     env = make_env(max_ep)
     num_actions = int(env.action_space.n)
     q_net = hk.without_apply_rng(hk.transform(lambda s: q_network(s, num_actions)))
     optimizer = optax.adam(6.25e-5, eps=1.5e-4)
     buffer = PrioritizedFrameStackReplayBuffer(
-        capacity, stack_size=STACK, alpha=0.5, beta=0.4, random_seed=0
+        capacity, stack_size=STACK, alpha=0.5, beta=0.4, random_seed=args.seed
     )
     env = RecordTransitions(env, buffer, NStep(n=N_STEP, gamma=GAMMA))
     epsilon = utils.StepwiseLinearFunction((0, 1.0), (max(1, steps // 10), 0.01))
@@ -93,9 +92,7 @@ def main() -> None:
 
     @jax.jit
     def update(params, opt_state, target_params, batch):
-        (loss, td), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, target_params, batch
-        )
+        (loss, td), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, target_params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, td
 
@@ -103,12 +100,13 @@ def main() -> None:
     def greedy(params, key, s):
         return utils.argmax(key, q_net.apply(params, s))
 
-    key = jax.random.PRNGKey(0)
-    s, _ = env.reset(seed=0)
+    key = jax.random.PRNGKey(args.seed)
+    s, _ = env.reset(seed=args.seed)
     params = q_net.init(key, s[None])
     target_params, opt_state = params, optimizer.init(params)
-    rng = np.random.default_rng(0)
-    ep_return, returns, t0, loss = 0.0, [], time.perf_counter(), float("nan")
+    rng = np.random.default_rng(args.seed)
+    ep_return, returns, episode_ends = 0.0, [], []
+    t0, loss = time.perf_counter(), float("nan")
     for step in range(steps):
         key, k = jax.random.split(key)
         if rng.random() < float(epsilon(step)):
@@ -119,6 +117,7 @@ def main() -> None:
         ep_return += float(r)
         if terminated or truncated:
             returns.append(ep_return)
+            episode_ends.append(step + 1)
             ep_return = 0.0
             s, _ = env.reset()
         if step >= warmup and step % 4 == 0:
@@ -127,14 +126,9 @@ def main() -> None:
             buffer.update(batch.idx, np.asarray(td))
         if step % 2_000 == 0:
             target_params = params
-        if step % 10_000 == 0 or step == steps - 1:
-            print(
-                f"step {step:>8}  episodes {len(returns):>5}  return(10) "
-                f"{np.mean(returns[-10:]) if returns else float('nan'):6.1f}  loss "
-                f"{float(loss):.4f}  buffer {len(buffer)} transitions in "
-                f"{buffer.frame_count} frames  {step / (time.perf_counter() - t0):.0f} steps/s",
-                flush=True,
-            )
+        if (step + 1) % 10_000 == 0 or step == steps - 1:
+            _common.print_progress(step + 1, returns, t0, loss=loss, frames=buffer.frame_count)
+            _common.write_returns(args.outdir, episode_ends, returns)
 
     frames_per_transition = buffer.frame_count / max(len(buffer), 1)
     print(f"frames stored per transition: {frames_per_transition:.3f}")

@@ -1,34 +1,26 @@
 """Double DQN on CartPole-v1 with n-step prioritized replay: the coax_utils main demo.
 
-What it shows, in order:
+It shows a Haiku Q-network trained with optax; greedy actions through ``utils.argmax``
+(random tie breaking) and exploration from a ``utils.StepwiseLinearFunction`` schedule;
+n-step tracing (``replay.NStep``) into a ``replay.PrioritizedReplayBuffer`` with importance
+weights in the loss and TD errors fed back as priorities; a picklable jitted update
+(``utils.jit``); checkpoints of the whole agent written in the background by a
+``utils.CheckpointManager`` (the newest three and the best by training return are kept) and a
+resume from them exactly as a restarted process would do it (``--resume`` continues an
+earlier run); an evaluation over 10 greedy episodes and an episode GIF.
 
-1. a Haiku Q-network trained with optax, greedy actions through ``utils.argmax`` (random tie
-   breaking), exploration from a ``utils.StepwiseLinearFunction`` schedule;
-2. n-step tracing (``replay.NStep``) into a ``replay.PrioritizedReplayBuffer``, with the
-   importance weights in the loss and the TD errors fed back as priorities;
-3. a picklable jitted update (``utils.jit``);
-4. checkpoints of the whole agent (params, target params, optimizer state, replay buffer,
-   tracer, step counter, RNG key) saved every ``save_every`` steps by a
-   ``utils.CheckpointManager`` in the background while training goes on (the newest three
-   and the best by training return are kept), then a resume from ``manager.restore()``,
-   exactly as a restarted process would do it (``--resume`` continues an earlier run from
-   its newest checkpoint);
-5. an evaluation over 10 greedy episodes, and an episode GIF made with ``utils.generate_gif``.
-
-Outputs land in ``runs/dqn_cartpole/``: ``checkpoints/`` (the manager's folder), the final
-agent in ``checkpoint.pkl.lz4`` (``utils.dump``) and the GIF. Run it with ``make demo`` or
-``python examples/dqn_cartpole.py`` (``--smoke`` for a short run that only checks the
-plumbing).
+Outputs in ``runs/dqn_cartpole/``: ``checkpoints/``, the final agent ``checkpoint.pkl.lz4``
+(``utils.dump``), ``returns.csv`` (the learning curve) and ``dqn_cartpole.gif``. Run it with
+``make demo`` or ``python examples/dqn_cartpole.py`` (``--smoke``: a short plumbing check).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import time
-from pathlib import Path
 
+import _common
 import gymnasium as gym
 import haiku as hk
 import jax
@@ -39,186 +31,106 @@ import optax
 from coax_utils import utils
 from coax_utils.replay import NStep, PrioritizedReplayBuffer
 
-# Frames are rendered off-screen (rgb_array); no display is needed.
-os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # frames are rendered off-screen
+GAMMA, N_STEP, BATCH_SIZE, TARGET_TAU = 0.99, 3, 64, 0.01
 
-GAMMA = 0.99
-N_STEP = 3
-BATCH_SIZE = 64
-TARGET_TAU = 0.01
-WARMUP_STEPS = 1_000
-TRAIN_EVERY = 1
-
-
-def q_network(s: jnp.ndarray) -> jnp.ndarray:
-    return hk.nets.MLP([64, 64, 2])(s)
-
-
-q_net = hk.without_apply_rng(hk.transform(q_network))
+q_net = hk.without_apply_rng(hk.transform(lambda s: hk.nets.MLP([64, 64, 2])(s)))
 optimizer = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(1e-3))
 
 
 def loss_fn(params, target_params, batch):
-    q = q_net.apply(params, batch.S)
-    q_sa = jnp.take_along_axis(q, batch.A[:, None], axis=1)[:, 0]
+    q_sa = jnp.take_along_axis(q_net.apply(params, batch.S), batch.A[:, None], axis=1)[:, 0]
     # double DQN: the online network picks, the target network evaluates
     a_next = jnp.argmax(q_net.apply(params, batch.S_next), axis=1)
     q_next = jnp.take_along_axis(q_net.apply(target_params, batch.S_next), a_next[:, None], 1)
-    target = batch.Rn + batch.In * jax.lax.stop_gradient(q_next[:, 0])
-    td_error = target - q_sa
-    loss = jnp.mean(batch.W * optax.huber_loss(td_error))
-    return loss, td_error
+    td_error = batch.Rn + batch.In * jax.lax.stop_gradient(q_next[:, 0]) - q_sa
+    return jnp.mean(batch.W * optax.huber_loss(td_error)), td_error
 
 
+@utils.jit
 def update(params, target_params, opt_state, batch):
-    (loss, td_error), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, target_params, batch
-    )
+    grads, td_error = jax.grad(loss_fn, has_aux=True)(params, target_params, batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    target_params = optax.incremental_update(params, target_params, TARGET_TAU)
-    return params, target_params, opt_state, loss, td_error
+    return params, optax.incremental_update(params, target_params, TARGET_TAU), opt_state, td_error
 
 
+@utils.jit
 def greedy(params, key, s):
-    return utils.argmax(key, q_net.apply(params, s))
+    return utils.argmax(key, q_net.apply(params, s[None].astype(jnp.float32)))[0]
 
 
-update_jit = utils.jit(update)
-greedy_jit = utils.jit(greedy)
+def policy(params, key=jax.random.PRNGKey(0)):  # noqa: B008 (one key, made once)
+    """The greedy policy ``s -> a`` of ``params``."""
+    return lambda s: int(greedy(params, key, s))
 
 
-def new_agent(seed: int, env: gym.Env, capacity: int) -> dict:
-    key = jax.random.PRNGKey(seed)
-    key, init_key = jax.random.split(key)
-    s, _ = env.reset(seed=seed)
-    params = q_net.init(init_key, jnp.asarray(s[None], jnp.float32))
+def new_agent(seed: int) -> dict:
+    key, init_key = jax.random.split(jax.random.PRNGKey(seed))
+    params = q_net.init(init_key, jnp.zeros((1, 4), jnp.float32))
     return {
         "params": params,
         "target_params": params,
         "opt_state": optimizer.init(params),
-        "buffer": PrioritizedReplayBuffer(capacity, alpha=0.6, beta=0.4, random_seed=seed),
+        "buffer": PrioritizedReplayBuffer(50_000, alpha=0.6, beta=0.4, random_seed=seed),
         "tracer": NStep(n=N_STEP, gamma=GAMMA),
         "key": key,
         "step": 0,
-        "episode": 0,
-        "returns": [],
+        "returns": [],  # the learning curve: each episode's return
+        "episode_ends": [],  # and the env step at which it ended
     }
 
 
-def train(
-    agent: dict,
-    env: gym.Env,
-    num_steps: int,
-    warmup: int,
-    epsilon,
-    beta,
-    log_every: int,
-    manager: utils.CheckpointManager,
-    save_every: int,
-) -> None:
-    """Train in place for ``num_steps`` environment steps, printing progress.
-
-    Every ``save_every`` steps the agent is handed to ``manager.save``, which returns once it
-    has copied the agent; the checkpoint is compressed and written on a background thread
-    while training goes on.
-    """
+def train(agent, env, num_steps, warmup, epsilon, beta, manager, save_every, log_every):
+    """Train in place for ``num_steps`` steps; every ``save_every`` steps ``manager.save``
+    copies the agent and writes it on a background thread while training goes on."""
     rng = np.random.default_rng(agent["step"])
-    s, _ = env.reset(seed=int(agent["step"]))
-    ep_return, t0, steps0 = 0.0, time.perf_counter(), agent["step"]
+    s, _ = env.reset(seed=agent["step"])
+    ep_return, t0, start_step = 0.0, time.perf_counter(), agent["step"]
     for _ in range(num_steps):
         agent["key"], key = jax.random.split(agent["key"])
-        if rng.random() < float(epsilon(agent["step"])):
-            a = int(env.action_space.sample())
-        else:
-            a = int(greedy_jit(agent["params"], key, s[None].astype(np.float32))[0])
+        explore = rng.random() < float(epsilon(agent["step"]))
+        a = int(env.action_space.sample() if explore else greedy(agent["params"], key, s))
         s_next, r, terminated, truncated, _ = env.step(a)
-        ep_return += float(r)
-        agent["tracer"].add(
-            s.astype(np.float32), a, float(r), terminated,
-            truncated=truncated, s_next=s_next.astype(np.float32),
-        )
+        agent["tracer"].add(s, a, r, terminated, truncated=truncated, s_next=s_next)
         while agent["tracer"]:
             agent["buffer"].add(agent["tracer"].pop())
-        s = s_next
+        s, ep_return, agent["step"] = s_next, ep_return + r, agent["step"] + 1
         if terminated or truncated:
             agent["returns"].append(ep_return)
-            agent["episode"] += 1
-            ep_return = 0.0
-            s, _ = env.reset()
-        agent["step"] += 1
-
-        if agent["step"] >= warmup and agent["step"] % TRAIN_EVERY == 0:
+            agent["episode_ends"].append(agent["step"])
+            s, ep_return = env.reset()[0], 0.0
+        if agent["step"] >= warmup:
             agent["buffer"].beta = float(beta(agent["step"]))
             batch = agent["buffer"].sample(BATCH_SIZE)
-            params, target_params, opt_state, _, td_error = update_jit(
+            *learner, td_error = update(
                 agent["params"], agent["target_params"], agent["opt_state"], batch
             )
-            agent["params"], agent["target_params"], agent["opt_state"] = (
-                params, target_params, opt_state,
-            )
+            agent["params"], agent["target_params"], agent["opt_state"] = learner
             agent["buffer"].update(batch.idx, np.asarray(td_error))
-
         if agent["step"] % save_every == 0:
-            recent = agent["returns"][-10:]
-            metrics = {"train_return": float(np.mean(recent)) if recent else 0.0}
-            manager.save(agent["step"], agent, metrics=metrics)
-
+            train_return = float(np.mean(agent["returns"][-10:] or 0.0))
+            manager.save(agent["step"], agent, metrics={"train_return": train_return})
         if agent["step"] % log_every == 0:
-            now = time.perf_counter()
-            recent = agent["returns"][-10:]
-            print(
-                f"step {agent['step']:6d}  episodes {agent['episode']:4d}  "
-                f"avg return (last 10) {np.mean(recent) if recent else 0.0:6.1f}  "
-                f"epsilon {float(epsilon(agent['step'])):.3f}  "
-                f"{(agent['step'] - steps0) / (now - t0):6.0f} steps/s",
-                flush=True,
-            )
-
-
-def evaluate(params, env: gym.Env, num_episodes: int, seed: int) -> float:
-    key = jax.random.PRNGKey(seed)
-    returns = []
-    for i in range(num_episodes):
-        s, _ = env.reset(seed=seed + i)
-        done, total = False, 0.0
-        while not done:
-            key, subkey = jax.random.split(key)
-            a = int(greedy_jit(params, subkey, s[None].astype(np.float32))[0])
-            s, r, terminated, truncated, _ = env.step(a)
-            total += float(r)
-            done = terminated or truncated
-        returns.append(total)
-    return float(np.mean(returns))
+            eps = epsilon(agent["step"])
+            _common.print_progress(agent["step"], agent["returns"], t0, start_step, epsilon=eps)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a short run checking the plumbing")
-    parser.add_argument("--outdir", default="runs/dqn_cartpole")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--max-steps", type=int, default=60_000)
-    parser.add_argument("--target-return", type=float, default=200.0)
-    parser.add_argument(
-        "--resume", action="store_true", help="continue an earlier run from its newest checkpoint"
+    parser = _common.make_parser(
+        __doc__.splitlines()[0], outdir="runs/dqn_cartpole", seed=7, num_steps=60_000
     )
+    parser.add_argument("--target-return", type=float, default=200.0)
+    parser.add_argument("--resume", action="store_true", help="continue from the newest save")
     args = parser.parse_args()
-
-    outdir = Path(args.outdir)
-    checkpoint = outdir / "checkpoint.pkl.lz4"
-    checkpoints = outdir / "checkpoints"
-    t_start = time.perf_counter()
-    env = gym.make("CartPole-v1")
-    eval_env = gym.make("CartPole-v1")
-
-    max_steps = 600 if args.smoke else args.max_steps
-    eval_every = 300 if args.smoke else 5_000
-    first_phase = eval_every
-    log_every = 100 if args.smoke else 1_000
-    save_every = 100 if args.smoke else 1_000
-    warmup = 100 if args.smoke else WARMUP_STEPS
+    smoke, checkpoints = args.smoke, args.outdir / "checkpoints"
+    t_start, env, eval_env = time.perf_counter(), gym.make("CartPole-v1"), gym.make("CartPole-v1")
+    max_steps = 600 if smoke else args.num_steps
+    eval_every, save_every, log_every = (300, 100, 100) if smoke else (5_000, 1_000, 1_000)
+    warmup = 100 if smoke else 1_000
     epsilon = utils.StepwiseLinearFunction((0, 1.0), (warmup, 1.0), (10_000, 0.02))
     beta = utils.StepwiseLinearFunction((0, 0.4), (max_steps, 1.0))
+    schedule = (warmup, epsilon, beta)
 
     def open_manager() -> utils.CheckpointManager:
         return utils.CheckpointManager(
@@ -230,18 +142,14 @@ def main() -> int:
         shutil.rmtree(checkpoints)
     manager = open_manager()
     if manager.latest_step() is None:
-        agent = new_agent(args.seed, env, capacity=50_000)
         print(
-            f"== phase 1: train {first_phase} steps, saving a checkpoint every {save_every} "
-            f"steps in the background to {checkpoints}"
+            f"== phase 1: train {eval_every} steps, saving every {save_every} steps in the "
+            f"background to {checkpoints}"
         )
-        train(agent, env, first_phase, warmup, epsilon, beta, log_every, manager, save_every)
+        train(new_agent(args.seed), env, eval_every, *schedule, manager, save_every, log_every)
         manager.close()  # waits for the last background save
         print(f"   checkpoints kept: steps {manager.all_steps()} (best: {manager.best_step()})")
-
-        # Resume exactly as a restarted process would: nothing survives but the checkpoints.
-        del agent, manager
-        manager = open_manager()
+        manager = open_manager()  # resume as a restarted process would: from the files alone
     agent = manager.restore()
     print(
         f"== phase 2: resumed from the checkpoint at step {agent['step']} "
@@ -249,39 +157,34 @@ def main() -> int:
     )
 
     avg = float("-inf")
-    while agent["step"] < max_steps:
-        train(agent, env, eval_every, warmup, epsilon, beta, log_every, manager, save_every)
-        avg = evaluate(agent["params"], eval_env, num_episodes=10, seed=10_000)
-        elapsed = time.perf_counter() - t_start
-        print(f"   eval at step {agent['step']}: average return over 10 episodes {avg:.1f} "
-              f"({elapsed:.0f} s elapsed)")
-        if avg >= args.target_return:
-            break
+    while agent["step"] < max_steps and avg < args.target_return:
+        train(agent, env, eval_every, *schedule, manager, save_every, log_every)
+        _common.write_returns(args.outdir, agent["episode_ends"], agent["returns"])
+        avg = _common.evaluate(eval_env, policy(agent["params"]), num_episodes=10, seed=10_000)
+        print(
+            f"   eval at step {agent['step']}: average return over 10 episodes {avg:.1f} "
+            f"({time.perf_counter() - t_start:.0f} s elapsed)"
+        )
     if avg == float("-inf"):  # resumed at max_steps: nothing left to train
-        avg = evaluate(agent["params"], eval_env, num_episodes=10, seed=10_000)
+        avg = _common.evaluate(eval_env, policy(agent["params"]), num_episodes=10, seed=10_000)
     manager.close()
     print(f"   checkpoints kept: steps {manager.all_steps()} (best: {manager.best_step()})")
-    utils.dump(agent, checkpoint)
-    print(f"   final agent written: {checkpoint} ({checkpoint.stat().st_size / 1e6:.1f} MB)")
-
-    gif = outdir / "dqn_cartpole.gif"
+    utils.dump(agent, args.outdir / "checkpoint.pkl.lz4")
+    print(f"   final agent written: {args.outdir / 'checkpoint.pkl.lz4'}")
     gif_env = gym.make("CartPole-v1", render_mode="rgb_array")
-    key = jax.random.PRNGKey(0)
-    policy = lambda s: int(greedy_jit(agent["params"], key, s[None].astype(np.float32))[0])
-    utils.generate_gif(gif_env, gif, policy=policy, resize_to=(300, 200), duration=30)
+    gif = args.outdir / "dqn_cartpole.gif"
+    utils.generate_gif(gif_env, gif, policy(agent["params"]), resize_to=(300, 200), duration=30)
     print(f"   episode GIF written: {gif}")
 
-    elapsed = time.perf_counter() - t_start
-    if args.smoke:
+    elapsed, solved = time.perf_counter() - t_start, avg >= args.target_return
+    if smoke:
         print(f"smoke run finished in {elapsed:.0f} s")
         return 0
-    if avg >= args.target_return:
-        print(f"SOLVED: average return {avg:.1f} >= {args.target_return:.0f} over 10 evaluation "
-              f"episodes after {agent['step']} steps in {elapsed:.0f} s")
-        return 0
-    print(f"NOT SOLVED: average return {avg:.1f} < {args.target_return:.0f} after "
-          f"{agent['step']} steps in {elapsed:.0f} s")
-    return 1
+    print(
+        f"{'SOLVED' if solved else 'NOT SOLVED'}: average return {avg:.1f} (target "
+        f"{args.target_return:.0f}) after {agent['step']} steps in {elapsed:.0f} s"
+    )
+    return 0 if solved else 1
 
 
 if __name__ == "__main__":

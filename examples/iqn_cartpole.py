@@ -14,18 +14,17 @@ What it shows:
 4. greedy actions through ``utils.argmax`` (random tie breaking) on Q, the average of the
    sampled quantiles, with epsilon-greedy exploration from ``utils.StepwiseLinearFunction``.
 
-It prints progress while it trains, evaluates the greedy policy over 10 episodes at the end
-and writes the parameters to ``runs/iqn_cartpole/params.pkl.lz4`` (``utils.dump``). Run it
-with ``python examples/iqn_cartpole.py`` (``--smoke`` for a short run that only checks the
-plumbing).
+It prints progress while it trains, evaluates the greedy policy over 10 episodes at the end,
+and writes the parameters (``params.pkl.lz4``, ``utils.dump``) and the learning curve
+(``returns.csv``) to ``runs/iqn_cartpole/``. Run it with ``python examples/iqn_cartpole.py``
+(``--smoke`` for a short run that only checks the plumbing).
 """
 
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 
+import _common
 import gymnasium as gym
 import haiku as hk
 import jax
@@ -127,63 +126,34 @@ add_jit = utils.jit(buffer.add, donate_argnums=(0,))
 update_jit = utils.jit(update)
 
 
-def evaluate(params, env: gym.Env, num_episodes: int, seed: int) -> float:
-    key = jax.random.PRNGKey(seed)
-    returns = []
-    for i in range(num_episodes):
-        s, _ = env.reset(seed=seed + i)
-        done, total = False, 0.0
-        while not done:
-            key, subkey = jax.random.split(key)
-            a = int(act_jit(params, subkey, s.astype(np.float32), 0.0))
-            s, r, terminated, truncated, _ = env.step(a)
-            total += float(r)
-            done = terminated or truncated
-        returns.append(total)
-    return float(np.mean(returns))
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a short run checking the plumbing")
-    parser.add_argument("--outdir", default="runs/iqn_cartpole")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-steps", type=int, default=30_000)
+    parser = _common.make_parser(
+        __doc__.splitlines()[0], outdir="runs/iqn_cartpole", seed=0, num_steps=30_000
+    )
     args = parser.parse_args()
-
     t_start = time.perf_counter()
     num_steps = 300 if args.smoke else args.num_steps
-    warmup = 100 if args.smoke else 1_000
-    log_every = 100 if args.smoke else 2_000
+    warmup, log_every = (100, 100) if args.smoke else (1_000, 2_000)
     epsilon = utils.StepwiseLinearFunction((0, 1.0), (warmup, 1.0), (10_000, 0.02))
 
     env = gym.make("CartPole-v1")
     s, _ = env.reset(seed=args.seed)
-    key = jax.random.PRNGKey(args.seed)
-    key, init_key = jax.random.split(key)
+    key, init_key = jax.random.split(jax.random.PRNGKey(args.seed))
     tau0 = utils.quantiles_uniform(init_key, 1, num_quantiles=NUM_TAU)
     params = iqn.init(init_key, jnp.zeros((1, 4), jnp.float32), tau0)
-    target_params = params
-    opt_state = optimizer.init(params)
-    example = {
-        "s": np.zeros(4, np.float32),
-        "a": np.int32(0),
-        "Rn": np.float32(0.0),
-        "In": np.float32(0.0),
-        "s_next": np.zeros(4, np.float32),
-    }
+    target_params, opt_state = params, optimizer.init(params)
+    example = {"s": s, "a": np.int32(0), "Rn": np.float32(0), "In": np.float32(0), "s_next": s}
     buffer_state = buffer.init(example)
     tracer = NStep(n=N_STEP, gamma=GAMMA)
 
-    returns, ep_return, loss = [], 0.0, 0.0
-    t0 = time.perf_counter()
+    returns, episode_ends, ep_return, loss, t0 = [], [], 0.0, 0.0, time.perf_counter()
     for step in range(1, num_steps + 1):
         key, act_key, train_key = jax.random.split(key, 3)
-        a = int(act_jit(params, act_key, s.astype(np.float32), float(epsilon(step))))
+        a = int(act_jit(params, act_key, s, float(epsilon(step))))
         s_next, r, terminated, truncated, _ = env.step(a)
         ep_return += float(r)
         # a time limit (truncation) ends the trace but still bootstraps
-        tracer.add(s.astype(np.float32), a, float(r), terminated, truncated=truncated)
+        tracer.add(s, a, float(r), terminated, truncated=truncated)
         while tracer:
             b = tracer.pop()  # a TransitionBatch of one n-step transition
             items = {
@@ -201,28 +171,23 @@ def main() -> int:
         s = s_next
         if terminated or truncated:
             returns.append(ep_return)
+            episode_ends.append(step)
             ep_return = 0.0
             s, _ = env.reset()
         if step % log_every == 0:
-            recent = returns[-10:]
-            print(
-                f"step {step:6d}  episodes {len(returns):4d}  "
-                f"avg return (last 10) {np.mean(recent) if recent else 0.0:6.1f}  "
-                f"loss {float(loss):7.4f}  epsilon {float(epsilon(step)):.3f}  "
-                f"{step / (time.perf_counter() - t0):5.0f} steps/s",
-                flush=True,
-            )
+            _common.print_progress(step, returns, t0, loss=loss, epsilon=epsilon(step))
 
-    eval_env = gym.make("CartPole-v1")
     num_eval = 2 if args.smoke else 10
-    avg = evaluate(params, eval_env, num_episodes=num_eval, seed=10_000)
-    outdir = Path(args.outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
-    utils.dump(params, outdir / "params.pkl.lz4")
-    elapsed = time.perf_counter() - t_start
+    key, eval_key = jax.random.split(key)
+    greedy = lambda s: int(act_jit(params, eval_key, s, 0.0))
+    avg = _common.evaluate(gym.make("CartPole-v1"), greedy, num_eval, seed=10_000)
+    args.outdir.mkdir(parents=True, exist_ok=True)
+    utils.dump(params, args.outdir / "params.pkl.lz4")
+    curve = _common.write_returns(args.outdir, episode_ends, returns)
     print(
         f"evaluation: average return {avg:.1f} over {num_eval} greedy episodes after "
-        f"{num_steps} steps ({elapsed:.0f} s); parameters in {outdir / 'params.pkl.lz4'}"
+        f"{num_steps} steps ({time.perf_counter() - t_start:.0f} s); parameters in "
+        f"{args.outdir / 'params.pkl.lz4'}, learning curve in {curve}"
     )
     if args.smoke:
         print("smoke run OK")

@@ -19,6 +19,31 @@ from coax_utils import utils
 from coax_utils.replay import make_prioritized_buffer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def load_example_module(name: str):
+    """Import ``examples/<name>.py`` (with ``examples/`` on ``sys.path`` for ``_common``)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_returns(outdir: pathlib.Path, script: str, max_step: int) -> np.ndarray:
+    """The run's learning curve: ``outdir/returns.csv`` names the command, holds at least
+    one episode, and its env steps are positive, non-decreasing and at most ``max_step``.
+    Returns the episode returns."""
+    path = outdir / "returns.csv"
+    first = path.read_text().splitlines()[0]
+    assert first.startswith(f"# command: python {EXAMPLES.as_posix()}/{script} --smoke"), first
+    steps, returns = load_example_module("_common").read_returns(path)
+    assert len(steps) == len(returns) >= 1
+    assert steps[0] > 0 and np.all(np.diff(steps) >= 0) and steps[-1] <= max_step, steps
+    assert np.all(np.isfinite(returns))
+    return returns
 
 
 def run_example(script: str, *args: str) -> str:
@@ -50,6 +75,14 @@ def test_dqn_cartpole_smoke(tmp_path):
     assert jax.tree_util.tree_structure(agent["params"]) == jax.tree_util.tree_structure(
         agent["target_params"]
     )
+    # every CartPole episode returns its length (at least 8 steps); the file holds the
+    # episodes of both phases, as the agent does
+    returns = check_returns(tmp_path, "dqn_cartpole.py", max_step=agent["step"])
+    np.testing.assert_array_equal(returns, agent["returns"])
+    np.testing.assert_array_equal(
+        np.loadtxt(tmp_path / "returns.csv", delimiter=",", skiprows=2)[:, 0], agent["episode_ends"]
+    )
+    assert np.all(returns >= 8) and np.all(returns == np.round(returns))
 
 
 def test_dqn_atari_smoke(tmp_path):
@@ -62,6 +95,9 @@ def test_dqn_atari_smoke(tmp_path):
     # starts and the frames a match may not reference add a few, never a multiple
     assert 0 < buffer.frame_count < 1.5 * len(buffer)
     assert buffer.sample(2).S.shape == (2, 4, 84, 84)
+    # smoke episodes are cut at 60 agent steps: a Pong score lies in [-21, 21]
+    returns = check_returns(tmp_path, "dqn_atari.py", max_step=160)
+    assert np.all(np.abs(returns) <= 21)
 
 
 def test_iqn_cartpole_smoke(tmp_path):
@@ -71,6 +107,7 @@ def test_iqn_cartpole_smoke(tmp_path):
     assert "smoke run OK" in stdout
     params = utils.load(tmp_path / "params.pkl.lz4")
     assert jax.tree_util.tree_leaves(params)
+    assert np.all(check_returns(tmp_path, "iqn_cartpole.py", max_step=300) >= 8)
 
 
 def test_ddpg_pendulum_smoke(tmp_path):
@@ -80,6 +117,9 @@ def test_ddpg_pendulum_smoke(tmp_path):
     assert "smoke run OK" in stdout
     params = utils.load(tmp_path / "params.pkl.lz4")
     assert set(params) == {"actor", "critic"}
+    # Pendulum episodes last 200 steps, each step's reward in [-16.3, 0]
+    returns = check_returns(tmp_path, "ddpg_pendulum.py", max_step=300)
+    assert len(returns) == 1 and -16.3 * 200 <= returns[0] <= 0
 
 
 @pytest.mark.parametrize("env", ["jax", "gymnasium"])
@@ -92,15 +132,13 @@ def test_jitted_dqn_smoke(tmp_path, env):
     # 300 collected transitions went through the donated, jitted prioritized buffer
     assert int(state["step"]) == 300
     assert int(state["buffer"].size) == 300
+    returns = check_returns(tmp_path, "jitted_dqn.py", max_step=300)
+    assert np.all(returns >= 8) and np.all(returns == np.round(returns))
 
 
 @functools.cache
 def _load_jitted_dqn():
-    path = ROOT / "examples" / "jitted_dqn.py"
-    spec = importlib.util.spec_from_file_location("example_jitted_dqn", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example_module("jitted_dqn")
 
 
 @settings(max_examples=15, deadline=None)
