@@ -400,12 +400,12 @@ def test_cyclic_and_shared_states_keep_their_shape(tmp_path, background):
 
 
 def test_large_arrays_are_copied_whole_before_save_returns(tmp_path):
-    # arrays over 16 MB are copied in pieces on several threads: every piece must land
+    # large arrays are copied in pieces of 8 MB on several threads: every piece must land
     rng = np.random.default_rng(0)
     c_order = rng.integers(0, 2**62, 3_000_000)  # 24 MB
     f_order = np.asfortranarray(rng.random((1500, 1500)))  # 18 MB, not C-contiguous
     strided = c_order[::2]  # a view that is not contiguous
-    odd = rng.integers(0, 255, 3 * (1 << 23) + 5, dtype=np.uint8)  # a partial last piece
+    odd = rng.integers(0, 255, 3 * (1 << 23) + 5, dtype=np.uint8)  # pieces of unequal sizes
     on_jax = jnp.asarray(rng.random(3_000_000, dtype=np.float32))  # 12 MB
     state = {"c": c_order, "f": f_order, "strided": strided, "odd": odd, "jax": on_jax}
     expected = {k: np.array(v) for k, v in state.items()}
@@ -946,7 +946,11 @@ def test_saves_of_states_that_grow_shrink_and_change_keep_their_own_data(tmp_pat
     states = [
         {"a": rng.random(300_000), "b": np.arange(10)},
         {"a": rng.random(600_000), "b": rng.integers(0, 9, (700, 300)).astype(np.int8)},
-        {"a": rng.random(100_000).astype(np.float32), "c": np.asfortranarray(rng.random((90, 80)))},
+        {
+            "a": rng.random(100_000).astype(np.float32),
+            "f": np.asfortranarray(rng.random((300, 80))),  # copied into C order
+            "v": rng.random(300_000)[::3],  # not contiguous
+        },
         {"a": rng.random(600_000), "s": np.zeros(5, [("x", np.int16), ("y", np.float64)])},
         {"a": np.zeros((0, 3)), "u": rng.integers(0, 255, 2_000_001, dtype=np.uint8)},
     ]

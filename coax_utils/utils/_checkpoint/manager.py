@@ -204,12 +204,11 @@ class _Background:
     def _copy_arrays(self) -> None:
         pieces = []
         for dst, src in self._pairs:
-            if not (src.flags.forc and dst.strides == src.strides):
-                pieces.append((dst, src))  # copied whole
-                continue
-            d, s = dst.ravel("K"), src.ravel("K")  # views, both in memory order
-            step = max(1, _PIECE // src.itemsize)
-            pieces += [(d[i : i + step], s[i : i + step]) for i in range(0, s.size, step)]
+            if src.flags.forc and dst.strides == src.strides:  # views, in memory order
+                n = -(-src.nbytes // _PIECE)
+                pieces += zip(np.array_split(dst.ravel("K"), n), np.array_split(src.ravel("K"), n))
+            else:
+                pieces.append((dst, src))
         try:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
