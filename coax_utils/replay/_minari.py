@@ -21,6 +21,7 @@ from coax_utils._minari import (
 )
 from coax_utils.replay._functional import PrioritizedBuffer, UniformBuffer
 from coax_utils.replay._host import PrioritizedReplayBuffer, SimpleReplayBuffer
+from coax_utils.replay._seq_host import PrioritizedSequenceReplayBuffer, SequenceReplayBuffer
 from coax_utils.replay._tracing import MonteCarlo
 from coax_utils.replay._transition import TransitionBatch
 
@@ -127,9 +128,13 @@ def fill_from_minari(
         The dataset (e.g. from :func:`minari.load_dataset`).
     buffer : replay buffer
         A host buffer (:class:`SimpleReplayBuffer`, :class:`PrioritizedReplayBuffer`, the
-        frame-stacked ones), a jittable one (the containers of :func:`make_uniform_buffer`,
-        :func:`make_prioritized_buffer`, :func:`make_frame_stack_buffer`,
-        :func:`make_prioritized_frame_stack_buffer`), or anything with
+        frame-stacked ones; a :class:`SequenceReplayBuffer` or
+        :class:`PrioritizedSequenceReplayBuffer` with ``num_envs=1`` gets the steps, as dicts
+        with the keys ``obs``, ``action``, ``reward``, ``next_obs`` that
+        :class:`RecordVectorSequences` uses, and no tracer), a jittable one (the containers
+        of :func:`make_uniform_buffer`, :func:`make_prioritized_buffer`,
+        :func:`make_frame_stack_buffer`, :func:`make_prioritized_frame_stack_buffer`), or
+        anything with
         ``add(transition_batch)``.
     state : buffer state, optional
         For a jittable buffer: the state to add to (default: ``buffer.init`` of the first
@@ -181,7 +186,13 @@ def fill_from_minari(
         raise TypeError(f"buffer must have an 'add' method, got {buffer!r:.80}")
     ids, limit = select_episodes(dataset, episodes, max_transitions)
     tracer = _check_tracer(tracer)
-    batches, ends, first = [], [], None
+    sequences = isinstance(buffer, (SequenceReplayBuffer, PrioritizedSequenceReplayBuffer))
+    if sequences and (tracer is not None or buffer.num_envs != 1):
+        raise ValueError(
+            "a sequence buffer stores steps, not traced transitions: fill one with "
+            f"num_envs=1 and no tracer (got num_envs={buffer.num_envs}, tracer={tracer!r})"
+        )
+    batches, ends, first, read = [], [], None, []
     with tqdm(
         total=limit or dataset.total_steps,
         disable=not progress,
@@ -191,21 +202,47 @@ def fill_from_minari(
         for ep in read_episodes(dataset, ids, limit, check_finite):
             if first is None:
                 first = ep.id
+            if sequences:
+                read.append(ep)
+                bar.update(len(ep.rewards))
+                continue
             batch = _one_step(ep) if tracer is None else _traced(ep, tracer)
             batches.append(batch)
             end = np.zeros(batch.batch_size, bool)
             end[-1] = True
             ends.append(end)
             bar.update(len(ep.rewards))
-    batch = TransitionBatch.concatenate(*batches)
-    episode_end = np.concatenate(ends)
     try:
-        return _add(buffer, state, batch, episode_end)
+        if sequences:
+            return _add_steps(buffer, read)
+        batch = TransitionBatch.concatenate(*batches)
+        return _add(buffer, state, batch, np.concatenate(ends))
     except (TypeError, ValueError) as exc:
         raise type(exc)(
             f"the transitions of the dataset {dataset.id!r} do not fit the buffer (first "
             f"episode read: {first}): {exc}"
         ) from exc
+
+
+def _add_steps(buffer: Any, episodes: list[Episode]) -> None:
+    """Feed a sequence buffer one step at a time (its API), as one sub-env.
+
+    Steps are dicts with the keys :class:`RecordVectorSequences` uses: ``obs``, ``action``,
+    ``reward`` and ``next_obs``. A mismatch is refused by the first add, before any write.
+    """
+    for ep in episodes:
+        for t in range(len(ep.rewards)):
+            steps = {
+                "obs": _rows(ep.observations, slice(t, t + 1)),
+                "action": _rows(ep.actions, slice(t, t + 1)),
+                "reward": ep.rewards[t : t + 1],
+                "next_obs": _rows(ep.observations, slice(t + 1, t + 2)),
+            }
+            buffer.add(
+                steps,
+                terminated=ep.terminations[t : t + 1],
+                truncated=ep.truncations[t : t + 1],
+            )
 
 
 def _add(buffer: Any, state: Any, batch: TransitionBatch, episode_end: np.ndarray) -> Any:

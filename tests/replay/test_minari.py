@@ -15,6 +15,7 @@ from coax_utils.replay import (
     NStep,
     PrioritizedReplayBuffer,
     RecordTransitions,
+    SequenceReplayBuffer,
     SimpleReplayBuffer,
     TransitionBatch,
     fill_from_minari,
@@ -160,6 +161,29 @@ def test_jittable_buffers_get_the_same_transitions(cartpole):
     np.testing.assert_array_equal(
         np.sort(np.asarray(state.items.S), axis=0), np.sort(expected.S[-10:], axis=0)
     )
+
+
+def test_sequence_buffers_get_the_steps_of_each_episode(cartpole):
+    dataset, steps = cartpole
+    buffer = SequenceReplayBuffer(capacity=200, length=4, period=1, random_seed=0)
+    fill_from_minari(dataset, buffer)
+    assert len(buffer) > 0
+    obs = np.stack([s["obs"] for s in steps])
+    sample = buffer.sample(batch_size=32)
+    for row in range(32):
+        valid = np.asarray(sample.mask[row])
+        got = np.asarray(sample.items["obs"][row])[valid]
+        # every window is consecutive steps of one episode of the env's run
+        start = int(np.flatnonzero((obs == got[0]).all(axis=1))[0])
+        np.testing.assert_array_equal(got, obs[start : start + len(got)])
+        episodes = {steps[i]["episode"] for i in range(start, start + len(got))}
+        assert len(episodes) == 1
+        np.testing.assert_array_equal(
+            np.asarray(sample.items["next_obs"][row])[valid],
+            np.stack([s["next_obs"] for s in steps[start : start + len(got)]]),
+        )
+    with pytest.raises(ValueError, match="sequence buffer stores steps"):
+        fill_from_minari(dataset, buffer, tracer=NStep(n=2, gamma=0.9))
 
 
 def test_prioritized_host_buffer_and_pendulum_box_actions():
