@@ -250,7 +250,8 @@ class CheckpointManager:
         Write on a background thread (``True``) or before :meth:`save` returns (``False``).
         There is never more than one writer; a background error is raised by the next
         :meth:`save`, :meth:`wait`, :meth:`restore` or :meth:`close` (printed if the
-        interpreter exits first).
+        interpreter exits first). The memory of the copies of numpy arrays is kept from one
+        background save to the next.
 
     Raises
     ------
@@ -529,7 +530,8 @@ class CheckpointManager:
         self._saves.wait()
 
     def close(self) -> None:
-        """Finish the pending save and release the folder; raise the save's error, if any.
+        """Finish the pending save, release the folder and free the memory kept for the copies
+        of background saves; raise the save's error, if any.
 
         Calling it again does nothing. The manager cannot save or restore afterwards.
         """
