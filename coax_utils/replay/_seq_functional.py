@@ -271,40 +271,52 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
         slots = jnp.where(write, (state.pos + k) % C, C)  # C: dropped
         ends = jnp.where(ended, jnp.where(term, END_TERMINATED, END_TRUNCATED), 0)
 
-        def store(s: jax.Array, x: jax.Array) -> jax.Array:
-            return s.at[slots].set(x, mode="drop", unique_indices=True)
+        def store_windows(state: Any) -> Any:
+            def store(s: jax.Array, x: jax.Array) -> jax.Array:
+                return s.at[slots].set(x, mode="drop", unique_indices=True)
 
-        new = state.replace(
-            steps=jax.tree_util.tree_map(store, state.steps, pending),
-            core=jax.tree_util.tree_map(lambda s, p: store(s, p[:, 0]), state.core, pending_core),
-            seq_len=store(state.seq_len, jnp.where(full, L, n).astype(jnp.int32)),
-            seq_end=store(state.seq_end, ends.astype(jnp.int8)),
-            seq_first=store(state.seq_first, state.chain_first),
+            new = state.replace(
+                steps=jax.tree_util.tree_map(store, state.steps, pending),
+                core=jax.tree_util.tree_map(
+                    lambda s, p: store(s, p[:, 0]), state.core, pending_core
+                ),
+                seq_len=store(state.seq_len, jnp.where(full, L, n).astype(jnp.int32)),
+                seq_end=store(state.seq_end, ends.astype(jnp.int8)),
+                seq_first=store(state.seq_first, state.chain_first),
+            )
+            if prioritized:
+                p = jnp.minimum(jnp.power(state.max_mix + epsilon, alpha), state.tree.max_value)
+                tree = sum_tree_set(state.tree, jnp.where(write, slots, -1), p, strategy)
+                new = new.replace(tree=tree)
+            return new
+
+        # most steps write no window: skip the scatters then
+        new = jax.lax.cond(num > 0, store_windows, lambda s: s, state)
+        new = new.replace(
             pos=(state.pos + num) % C,
             size=jnp.minimum(state.size + num, C),
             laps=jnp.where(state.pos + num >= C, state.laps % VERSION_MAX + 1, state.laps),
         )
         if P < L:
 
-            def shift(p: jax.Array) -> jax.Array:
-                moved = jnp.roll(p, -P, axis=1)
-                return jnp.where(full.reshape((E,) + (1,) * (p.ndim - 1)), moved, p)
+            def shift(pending: Any) -> Any:
+                def one(p: jax.Array) -> jax.Array:
+                    moved = jnp.roll(p, -P, axis=1)
+                    return jnp.where(full.reshape((E,) + (1,) * (p.ndim - 1)), moved, p)
 
-            pending = jax.tree_util.tree_map(shift, pending)
-            pending_core = jax.tree_util.tree_map(shift, pending_core)
+                return jax.tree_util.tree_map(one, pending)
+
+            pending, pending_core = jax.lax.cond(
+                jnp.any(full), shift, lambda p: p, (pending, pending_core)
+            )
         n = jnp.where(full, L - P, n)
         first = state.chain_first & ~full
-        new = new.replace(
+        return new.replace(
             pending=pending,
             pending_core=pending_core,
             chain_n=jnp.where(ended, 0, n).astype(jnp.int32),
             chain_first=first | ended,
         )
-        if prioritized:
-            p = jnp.power(new.max_mix + epsilon, alpha)
-            p = jnp.minimum(p, state.tree.max_value)
-            new = new.replace(tree=sum_tree_set(new.tree, jnp.where(write, slots, -1), p, strategy))
-        return new
 
     def reset_chains(state: Any, mask: Any = None) -> Any:
         mask = _flags(mask, "mask", E, True)
@@ -314,13 +326,15 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
         )
 
     def gather(state: Any, slots: jax.Array, weights: jax.Array, versions: Any) -> Any:
-        batch = slots.shape[0]
         lengths = state.seq_len[slots]
         t = jnp.arange(L, dtype=jnp.int32)
-        rows = slots[:, None] * L + jnp.minimum(t, jnp.maximum(lengths[:, None], 1) - 1)
-        flat = jax.tree_util.tree_map(lambda x: x.reshape((C * L,) + x.shape[2:]), state.steps)
-        items = gather_rows(flat, rows.reshape(-1))
-        items = jax.tree_util.tree_map(lambda x: x.reshape((batch, L) + x.shape[1:]), items)
+        # whole windows, then the tail past the valid steps padded with the last valid one
+        src = jnp.minimum(t, jnp.maximum(lengths[:, None], 1) - 1)
+
+        def pad(x: jax.Array) -> jax.Array:
+            return jnp.take_along_axis(x, src.reshape(src.shape + (1,) * (x.ndim - 2)), axis=1)
+
+        items = jax.tree_util.tree_map(pad, gather_rows(state.steps, slots))
         end = state.seq_end[slots][:, None]
         first = state.seq_first[slots][:, None]
         mask = t < lengths[:, None]

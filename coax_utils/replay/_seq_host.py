@@ -351,13 +351,12 @@ class SequenceReplayBuffer(SequenceState):
         L = self._length
         lengths = self._seq_len[slots]
         t = np.arange(L)
-        rows = (slots[:, None] * L + np.minimum(t, lengths[:, None] - 1)).reshape(-1)
-        items = [
-            np.take(arr.reshape((-1,) + arr.shape[2:]), rows, axis=0).reshape(
-                (len(slots), L) + arr.shape[2:]
-            )
-            for arr in self._steps
-        ]
+        items = [np.take(arr, slots, axis=0) for arr in self._steps]  # whole windows
+        short = np.flatnonzero(lengths < L)
+        if len(short):  # pad the tails with the last valid step
+            src = np.minimum(t, lengths[short, None] - 1)
+            for x in items:
+                x[short] = x[short[:, None], src]
         core = [np.take(arr, slots, axis=0) for arr in self._core]
         end = self._seq_end[slots][:, None]
         last = t == lengths[:, None] - 1
