@@ -110,8 +110,8 @@ class _Background:
     def start(self, obj: Any, write: Callable[[Any], None]) -> None:
         """Take a snapshot of ``obj``, then run ``write(snapshot)`` on the writer thread."""
         self.wait()  # the previous snapshot is no longer used: its buffer serves this one
-        if self._need > self._buffer.size:
-            self._buffer = np.empty(0, np.uint8)  # released before the larger one is taken
+        if not self._buffer.size // 2 <= self._need <= self._buffer.size:  # as the last save
+            self._buffer = np.empty(0, np.uint8)  # released before the new one is taken
             self._buffer = np.empty(self._need, np.uint8)
         self._need, self._pairs = 0, []
         # the originals stay alive until the walk ends, so no id is reused (as in deepcopy)
