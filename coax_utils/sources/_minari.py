@@ -74,13 +74,13 @@ class _Chunk:
 
     def gather(self, rows: np.ndarray, window: int | None) -> tuple[dict, np.ndarray]:
         """The transitions at ``rows`` (or windows starting there) and their step masks."""
-        length = 1 if window is None else window
-        steps = rows[:, None] + np.arange(length)
-        last = self.last[rows][:, None]
-        mask = steps <= last
-        steps = np.minimum(steps, last)
-        if window is None:
-            steps, mask = steps[:, 0], mask[:, 0]
+        if window is None:  # single transitions: every step valid
+            steps, mask = rows, np.ones(len(rows), bool)
+        else:
+            steps = rows[:, None] + np.arange(window)
+            last = self.last[rows][:, None]
+            mask = steps <= last
+            steps = np.minimum(steps, last)
         obs_rows = self.obs_row[steps]
         take = lambda tree, index: jax.tree_util.tree_map(lambda x: x[index], tree)  # noqa: E731
         value = {
@@ -287,6 +287,15 @@ class MinariSource(CompiledNext):
         if np.any(flat >= self._length):
             raise ValueError(f"MinariSource: asked for a transition beyond the {self._length} held")
         index = np.where(valid, flat, 0)
+        if len(self._chunk_ids) == 1:  # all in memory: one gather per leaf
+            value, step_mask = self._chunk(0).gather(index, self._window)
+            leaves = self._treedef.flatten_up_to(value)
+            if not valid.all():  # padding rows hold zeros, as in the other sources
+                for leaf in leaves:
+                    leaf[~valid] = 0
+                step_mask[~valid] = False
+            out = [leaf.reshape(s.shape) for leaf, s in zip(leaves, self._fetch_leaves)]
+            return out, step_mask.reshape(self._mask_spec.shape)
         chunk_of = self._chunk_of[index]
         needed = np.unique(chunk_of[valid]) if valid.any() else np.zeros(1, np.int32)
         for c in list(self._memory):  # keep only what this prefetch reads
