@@ -225,11 +225,9 @@ class CheckpointManager:
     written with :func:`dump`): background saves, retention, and restore of the newest
     checkpoint. See :doc:`/checkpoint_manager` for a walk-through.
 
-    After each save has completed, the manager keeps the newest ``max_to_keep`` checkpoints,
-    the oldest one in each window of ``keep_every_n_steps`` steps (``[0, n)``, ``[n, 2n)``,
-    ...) and the best one by ``best_fn(metrics)``, and deletes the others; a process killed at
-    any moment leaves every completed step. One manager at a time writes to a folder (an OS
-    file lock, released when its process ends).
+    Retention is applied after each save has completed: a process killed at any moment leaves
+    every completed step. One manager at a time writes to a folder (an OS file lock, released
+    when its process ends).
 
     Parameters
     ----------
@@ -239,7 +237,8 @@ class CheckpointManager:
     max_to_keep : int or None, optional
         How many of the newest checkpoints to keep (``None``: all).
     keep_every_n_steps : int or None, optional
-        Also keep the oldest checkpoint in every window of this many steps.
+        Also keep the oldest checkpoint in every window of this many steps (``[0, n)``,
+        ``[n, 2n)``, ...).
     best_fn : callable or None, optional
         ``best_fn(metrics) -> float``, the score of a checkpoint from the metrics dict given
         to :meth:`save`; the checkpoint with the best score is kept (ties: the newest). Steps
