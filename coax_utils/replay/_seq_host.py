@@ -394,7 +394,8 @@ class PrioritizedSequenceReplayBuffer(SequenceReplayBuffer):
     mixture set so far, or 1 if that is larger (as the jittable twin). Samples carry the
     importance weights of the transition buffers, :math:`(N P(i))^{-\beta}` normalised to
     a batch maximum of 1.
-    Windowing, storage and :meth:`add` are those of :class:`SequenceReplayBuffer`.
+    Windowing, storage and :meth:`~SequenceReplayBuffer.add` are those of
+    :class:`SequenceReplayBuffer`.
 
     Parameters
     ----------

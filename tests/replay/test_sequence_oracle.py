@@ -312,3 +312,46 @@ def test_recorded_vector_env_windows_match_single_envs(mode):
     sample = buffer.sample(32)
     for row, i in enumerate(sample.indices):
         np.testing.assert_array_equal(sample.core_state[row], expected[int(i)].core)
+
+
+def test_restored_host_states_are_checked():
+    rng = np.random.default_rng(3)
+    calls, _ = random_stream(rng, 2, 30)
+    buffer = PrioritizedSequenceReplayBuffer(8, 4, 2, 1, 2, random_seed=0)
+    for call in calls:
+        buffer.add(*call)
+    good = buffer.__checkpoint_state__()
+    restored = PrioritizedSequenceReplayBuffer.__checkpoint_restore__(dict(good))
+    assert utils.dumps(restored) == utils.dumps(buffer)
+
+    def forged(**changes):
+        state = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in good.items()}
+        for key, fn in changes.items():
+            state[key] = fn(state[key])
+        return state
+
+    def at(i, v):
+        def set_(x):
+            x[i] = v
+            return x
+
+        return set_
+
+    bad = [
+        forged(seq_len=at(0, 5)),  # longer than length
+        forged(seq_len=at(0, 2), seq_end=at(0, 0)),  # short without an episode end
+        forged(seq_end=at(0, 3)),
+        forged(chain_n=at(0, 4)),
+        forged(chain_n=at(0, -1), chain_first=at(0, True)),
+        forged(abs_mix=at(0, 1e9)),
+        forged(max_abs_mix=lambda x: 0.5),
+        forged(count=lambda x: -1),
+        forged(burn_in=lambda x: 4),
+        forged(period=lambda x: 0),
+        forged(core=lambda x: x._replace(cell=x.cell[:, None])),
+        forged(pending=lambda x: {"obs": x["obs"]}),
+        forged(steps=lambda x: {**x, "t": x["t"].astype(np.int32)}),
+    ]
+    for state in bad:
+        with pytest.raises((ValueError, TypeError)):
+            PrioritizedSequenceReplayBuffer.__checkpoint_restore__(state)
