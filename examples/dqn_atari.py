@@ -110,7 +110,7 @@ def main() -> None:
     for step in range(steps):
         key, k = jax.random.split(key)
         if rng.random() < float(epsilon(step)):
-            a = int(env.action_space.sample())
+            a = int(rng.integers(num_actions))
         else:
             a = int(greedy(params, k, s[None])[0])
         s, r, terminated, truncated, _ = env.step(a)

@@ -90,7 +90,7 @@ def train(agent, env, num_steps, warmup, epsilon, beta, manager, save_every, log
     for _ in range(num_steps):
         agent["key"], key = jax.random.split(agent["key"])
         explore = rng.random() < float(epsilon(agent["step"]))
-        a = int(env.action_space.sample() if explore else greedy(agent["params"], key, s))
+        a = int(rng.integers(2) if explore else greedy(agent["params"], key, s))
         s_next, r, terminated, truncated, _ = env.step(a)
         agent["tracer"].add(s, a, r, terminated, truncated=truncated, s_next=s_next)
         while agent["tracer"]:
