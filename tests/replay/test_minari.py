@@ -11,6 +11,7 @@ import pytest
 from minari.data_collector import EpisodeBuffer
 
 from coax_utils.replay import (
+    FrameStackReplayBuffer,
     MonteCarlo,
     NStep,
     PrioritizedReplayBuffer,
@@ -19,6 +20,7 @@ from coax_utils.replay import (
     SimpleReplayBuffer,
     TransitionBatch,
     fill_from_minari,
+    make_frame_stack_buffer,
     make_prioritized_buffer,
     make_uniform_buffer,
     save_as_minari,
@@ -161,6 +163,31 @@ def test_jittable_buffers_get_the_same_transitions(cartpole):
     np.testing.assert_array_equal(
         np.sort(np.asarray(state.items.S), axis=0), np.sort(expected.S[-10:], axis=0)
     )
+
+
+def test_frame_stacked_image_observations(monkeypatch):
+    # CartPole's rendered frames, 24x24 RGB, stacked by 3 (stacks of frames are stored as
+    # they are by Minari: only single images are JPEG-encoded)
+    monkeypatch.setenv("SDL_VIDEODRIVER", "dummy")
+    env = gymnasium.make("CartPole-v1", render_mode="rgb_array", max_episode_steps=8)
+    env = gymnasium.wrappers.AddRenderObservation(env, render_only=True)
+    env = gymnasium.wrappers.ResizeObservation(env, (24, 24))
+    env = gymnasium.wrappers.FrameStackObservation(env, 3)
+    dataset, steps = collect(env, "local/cartpole-pixels/random-v0", 3)
+    buffer = FrameStackReplayBuffer(capacity=100, stack_size=3)
+    fill_from_minari(dataset, buffer)
+    got = contents(buffer)
+    assert got.S.shape == (len(steps), 3, 24, 24, 3) and got.S.dtype == np.uint8
+    np.testing.assert_array_equal(got.S, np.stack([s["obs"] for s in steps]))
+    for t, step in enumerate(steps):
+        if not step["terminated"]:
+            np.testing.assert_array_equal(got.S_next[t], step["next_obs"])
+    assert buffer.frame_count < 3 * len(steps)  # each frame stored once, not per stack
+    jittable = make_frame_stack_buffer(capacity=100, stack_size=3)
+    state = fill_from_minari(dataset, jittable)
+    sample = jittable.sample(state, jax.random.key(0), 16)
+    stacks = {np.asarray(s["obs"]).tobytes() for s in steps}
+    assert all(np.asarray(x).tobytes() in stacks for x in sample.S)
 
 
 def test_sequence_buffers_get_the_steps_of_each_episode(cartpole):
