@@ -90,10 +90,10 @@ class _Background:
     stay shared and cycles close. numpy arrays are copied after the walk, in pieces on a few
     threads, into one buffer kept from one save to the next: after the first saves a copy
     touches no fresh pages, which the kernel would have to zero and compact first. jax arrays
-    are not copied: the snapshot holds a read-only numpy view of each one's host memory (on a
-    GPU, the host copy jax fetches), as a jax array on the CPU device. jax keeps the memory a
-    view refers to: it declines to donate such a buffer, and deleting the array leaves the
-    memory to the view. Weakly typed arrays, whose type a view loses, are copied by jax.
+    never change and are not copied: the snapshot holds a CPU array itself, with a numpy view
+    of its memory until the write ends (jax declines to donate a buffer that a view refers
+    to), and the host copy of any other array (from a GPU, say) as a CPU array. Weakly typed
+    arrays, whose type a view loses, are copied by jax.
     """
 
     def __init__(self) -> None:
@@ -112,7 +112,8 @@ class _Background:
         if not self._buffer.size // 2 <= self._need <= self._buffer.size:  # as the last save
             self._buffer = np.empty(0, np.uint8)  # released before the new one is taken
             self._buffer = np.empty(self._need, np.uint8)
-        self._need, self._pairs = 0, []
+        self._need, self._pairs, views = 0, [], []
+        self._views: list[np.ndarray] = views  # held until the write ends
         # the originals stay alive until the walk ends, so no id is reused (as in deepcopy)
         self._keep: list[Any] = []
         self._memo: dict[int, Any] = {}
@@ -121,14 +122,14 @@ class _Background:
             snapshot = self._copy(obj)
             self._copy_arrays()
         finally:
-            del self._memo, self._keep, self._pairs
+            del self._memo, self._keep, self._pairs, self._views
         # not a daemon: at interpreter exit Python waits for the write to finish
         self._thread = threading.Thread(
-            target=self._run, args=(write, snapshot), name="coax_utils-checkpoint-writer"
+            target=self._run, args=(write, snapshot, views), name="coax_utils-checkpoint-writer"
         )
         self._thread.start()
 
-    def _run(self, write: Callable[[Any], None], snapshot: Any) -> None:
+    def _run(self, write: Callable[[Any], None], snapshot: Any, views: list) -> None:
         time.sleep(0)  # hands the GIL back: the caller goes on before the write starts
         try:
             write(snapshot)
@@ -196,7 +197,11 @@ class _Background:
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         if self._host is None or x.weak_type:
             return jax.block_until_ready(jax.device_put(x, self._host, may_alias=False))
-        return jax.device_put(np.asarray(x), self._host, may_alias=True)
+        view = np.asarray(x)
+        if getattr(view.base, "obj", None) is x:  # x's own memory, as a buffer x exports
+            self._views.append(view)  # jax keeps that memory while the view lives
+            return x
+        return jax.device_put(view, self._host, may_alias=True)  # e.g. a copy from a GPU
 
     def _copy_arrays(self) -> None:
         pieces = []
