@@ -123,11 +123,14 @@ class _TooManyJaxArrays(Exception):
     """The file written holds more jax arrays than a reader allows a file of its size."""
 
 
-def _written(
-    obj: Any, write: Callable[[list[list[memoryview]], Callable[[int], None]], Any]
-) -> Any:
-    """Encode ``obj`` and return ``write(segments, check)``; ``write`` calls ``check(size)``
-    with the size of what it wrote before it makes it visible.
+def _check_size(size: int, jax_arrays: int) -> None:
+    if jax_arrays > jax_array_budget(size):
+        raise _TooManyJaxArrays(jax_array_budget(size))
+
+
+def _written(obj: Any, write: Callable[[list[list[memoryview]], int], Any]) -> Any:
+    """Encode ``obj`` and return ``write(segments, jax_arrays)``, which writes the container
+    and calls :func:`_check_size` before it makes it visible.
 
     Where the file holds more jax arrays than :func:`jax_array_budget` allows a file of its
     size (many tiny ones), it is encoded and written again with the arrays past that number
@@ -135,14 +138,8 @@ def _written(
     """
     limit = None
     while True:
-        segments, arrays = _segments(obj, limit)
-
-        def check(size: int, arrays: int = arrays) -> None:
-            if arrays > jax_array_budget(size):
-                raise _TooManyJaxArrays(jax_array_budget(size))
-
         try:
-            return write(segments, check)
+            return write(*_segments(obj, limit))
         except _TooManyJaxArrays as e:
             limit = e.args[0]
 
@@ -269,9 +266,9 @@ def dumps(obj: Any) -> bytes:
     (3, dtype('float32'), (2, 3))
     """
 
-    def write(segments: list[list[memoryview]], check: Callable[[int], None]) -> bytes:
+    def write(segments: list[list[memoryview]], jax_arrays: int) -> bytes:
         out = container_bytes(FORMAT_VERSION, _META, segments, uncompressed=1)
-        check(len(out))
+        _check_size(len(out), jax_arrays)
         return out
 
     return _written(obj, write)
@@ -369,13 +366,12 @@ def dump(obj: Any, filepath: str | os.PathLike) -> None:
     """
     path = as_path(filepath)
 
-    def write(segments: list[list[memoryview]], check: Callable[[int], None]) -> None:
-        atomic_write(
-            path,
-            lambda place: check(
-                write_container(FORMAT_VERSION, _META, segments, place, uncompressed=1)
-            ),
-        )
+    def write(segments: list[list[memoryview]], jax_arrays: int) -> None:
+        def write_all(place: Callable[[int, Any], None]) -> None:
+            size = write_container(FORMAT_VERSION, _META, segments, place, uncompressed=1)
+            _check_size(size, jax_arrays)
+
+        atomic_write(path, write_all)
 
     _written(obj, write)  # serialization errors surface before any file is touched
 
