@@ -1,24 +1,15 @@
 """DDPG on Pendulum-v1 with Ornstein-Uhlenbeck exploration inside a jitted act function.
 
-What it shows:
-
-1. a deterministic Haiku actor :math:`\\mu_\\theta(s)` and a Haiku critic :math:`Q_\\phi(s, a)`
-   trained with optax (DDPG: the critic regresses on :math:`r + \\gamma\\,Q_{\\phi'}(s',
-   \\mu_{\\theta'}(s'))`, the actor ascends :math:`Q_\\phi(s, \\mu_\\theta(s))`, and both
-   target networks follow by Polyak averaging);
-2. exploration with the *pure* Ornstein-Uhlenbeck process of ``coax_utils.utils``:
-   ``ou_noise_init`` makes the noise state (a pytree), ``ou_noise_step`` advances it and adds
-   it to the action inside the jitted ``act`` function (state in, state out, randomness from
-   an explicit key), and ``ou_noise_reset`` restarts it at every episode. (Host-side code
-   that cannot be jitted can use the seeded ``utils.OrnsteinUhlenbeckNoise`` object, with the
-   same parameters and update rule, instead.)
-3. a jittable replay buffer (``replay.make_uniform_buffer``), filled and sampled inside one
-   picklable jitted update (``utils.jit``) with the buffer state donated.
-
-It prints progress while it trains, evaluates the noiseless policy over 10 episodes at the
-end, and writes the parameters (``params.pkl.lz4``, ``utils.dump``) and the learning curve
-(``returns.csv``) to ``runs/ddpg_pendulum/``. Run it with ``python examples/ddpg_pendulum.py``
-(``--smoke`` for a short run that only checks the plumbing).
+A deterministic Haiku actor :math:`\\mu_\\theta(s)` and a critic :math:`Q_\\phi(s, a)` trained
+with optax: the critic regresses on :math:`r + \\gamma\\,Q_{\\phi'}(s', \\mu_{\\theta'}(s'))`, the
+actor ascends :math:`Q_\\phi(s, \\mu_\\theta(s))`, and both targets follow by Polyak averaging.
+Exploration uses the *pure* OU process of ``coax_utils.utils``: ``ou_noise_init`` makes its
+state (a pytree), ``ou_noise_step`` advances it inside the jitted ``act`` (state in, state
+out, an explicit key) and ``ou_noise_reset`` restarts it every episode (host code can use
+the seeded ``utils.OrnsteinUhlenbeckNoise`` object instead). One jitted step adds the
+transition to a jittable buffer (``replay.make_uniform_buffer``, its state donated) and
+trains on a sampled batch. Outputs in ``runs/ddpg_pendulum/``: ``params.pkl.lz4`` and
+``returns.csv``. ``--smoke``: a short run that only checks the plumbing.
 """
 
 from __future__ import annotations
@@ -158,13 +149,10 @@ def main() -> int:
         a = np.asarray(a)
         s_next, r, terminated, truncated, _ = env.step(a)
         ep_return += float(r)
-        transition = {
-            "s": s,
-            "a": a,
-            "r": np.float32(r),
-            "terminated": np.float32(terminated),  # the time limit is not a terminal state
-            "s_next": s_next,
-        }
+        # a time limit (truncation) is not a terminal state: the target still bootstraps
+        transition = dict(
+            s=s, a=a, r=np.float32(r), terminated=np.float32(terminated), s_next=s_next
+        )
         state, buffer_state, losses = train_step_jit(
             state, buffer_state, transition, train_key, step >= warmup
         )

@@ -1,23 +1,14 @@
 """IQN (implicit quantile network) on CartPole-v1: a distributional Q-learning agent.
 
-What it shows:
-
-1. a Haiku implicit quantile network: the state embedding is multiplied element-wise with a
-   cosine embedding of random quantile fractions :math:`\\tau` (``utils.quantiles_uniform``
-   and ``utils.quantile_cos_embedding``), and the head predicts the return quantiles
-   :math:`Z_\\tau(s, a)` of every action;
-2. n-step returns traced on the host by ``replay.NStep`` and stored in a jittable replay
-   buffer (``replay.make_uniform_buffer``, its state donated to a jitted ``add``);
-3. the quantile Huber loss between the predicted quantiles and the target quantiles
-   :math:`R^{(n)} + \\gamma^n\\, Z_{\\tau'}(s_{t+n}, a^*)`, optimized with optax inside a
-   picklable jitted update (``utils.jit``) that samples its batch from the buffer;
-4. greedy actions through ``utils.argmax`` (random tie breaking) on Q, the average of the
-   sampled quantiles, with epsilon-greedy exploration from ``utils.StepwiseLinearFunction``.
-
-It prints progress while it trains, evaluates the greedy policy over 10 episodes at the end,
-and writes the parameters (``params.pkl.lz4``, ``utils.dump``) and the learning curve
-(``returns.csv``) to ``runs/iqn_cartpole/``. Run it with ``python examples/iqn_cartpole.py``
-(``--smoke`` for a short run that only checks the plumbing).
+The network multiplies a state embedding element-wise with a cosine embedding of random
+quantile fractions :math:`\\tau` (``utils.quantiles_uniform``, ``utils.quantile_cos_embedding``)
+and predicts the return quantiles :math:`Z_\\tau(s, a)` of every action. n-step returns are
+traced on the host (``replay.NStep``) into a jittable buffer (``replay.make_uniform_buffer``,
+its state donated to a jitted ``add``); the quantile Huber loss against the targets
+:math:`R^{(n)} + \\gamma^n Z_{\\tau'}(s_{t+n}, a^*)` is minimized in a jitted update that samples
+its own batch. Actions are epsilon-greedy on Q, the average of the sampled quantiles.
+Outputs in ``runs/iqn_cartpole/``: ``params.pkl.lz4`` and ``returns.csv``. ``--smoke``: a
+short run that only checks the plumbing.
 """
 
 from __future__ import annotations
@@ -61,13 +52,8 @@ buffer = make_uniform_buffer(capacity=50_000)
 
 
 def sample_quantile_levels(key, batch_size, num_quantiles):
-    """Random quantile levels and their probability masses.
-
-    ``utils.quantiles_uniform`` partitions [0, 1] at random into ``num_quantiles`` cells
-    (its last fraction is always 1). The network regresses the quantile at the midpoint of
-    each cell: a level of exactly 1 would be the maximum of the return distribution, which
-    the quantile loss only ever pushes up. The cell widths weight the quantiles in Q.
-    """
+    """Random quantile levels (the midpoints of a random partition of [0, 1], never 1, the
+    maximum, which the quantile loss only ever pushes up) and their cell widths."""
     tau = utils.quantiles_uniform(key, batch_size, num_quantiles=num_quantiles)
     tau_prev = jnp.pad(tau[:, :-1], ((0, 0), (1, 0)))
     return (tau_prev + tau) / 2, tau - tau_prev
@@ -142,7 +128,7 @@ def main() -> int:
     tau0 = utils.quantiles_uniform(init_key, 1, num_quantiles=NUM_TAU)
     params = iqn.init(init_key, jnp.zeros((1, 4), jnp.float32), tau0)
     target_params, opt_state = params, optimizer.init(params)
-    example = {"s": s, "a": np.int32(0), "Rn": np.float32(0), "In": np.float32(0), "s_next": s}
+    example = dict(s=s, a=np.int32(0), Rn=np.float32(0), In=np.float32(0), s_next=s)
     buffer_state = buffer.init(example)
     tracer = NStep(n=N_STEP, gamma=GAMMA)
 
@@ -156,13 +142,7 @@ def main() -> int:
         tracer.add(s, a, float(r), terminated, truncated=truncated)
         while tracer:
             b = tracer.pop()  # a TransitionBatch of one n-step transition
-            items = {
-                "s": b.S,
-                "a": b.A.astype(np.int32),
-                "Rn": b.Rn,
-                "In": b.In,
-                "s_next": b.S_next,
-            }
+            items = dict(s=b.S, a=b.A.astype(np.int32), Rn=b.Rn, In=b.In, s_next=b.S_next)
             buffer_state = add_jit(buffer_state, items)
         if step >= warmup:
             params, target_params, opt_state, loss = update_jit(
