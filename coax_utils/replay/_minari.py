@@ -116,8 +116,9 @@ def fill_from_minari(
     int64 Discrete action is stored as int32 without ``jax_enable_x64``).
 
     Every episode is read and checked before the buffer is touched, and all transitions go
-    in through the buffer's batch API (one call, or one per ``capacity`` rows for the
-    jittable buffers), so a refused dataset leaves the buffer exactly as it was. Host buffers
+    in through the buffer's batch API in one call (a sequence buffer, whose API takes one
+    step at a time, refuses a mismatch at the first step), so a refused dataset leaves the
+    buffer exactly as it was. Host buffers
     get ``episode_end`` marks, so their :meth:`~SimpleReplayBuffer.sample_sequences` windows
     never cross an episode. If the dataset holds more transitions than the buffer's capacity,
     the newest ones are kept, as with any add.
@@ -268,6 +269,8 @@ def _add(buffer: Any, state: Any, batch: TransitionBatch, episode_end: np.ndarra
 def _episodes_of(batch: TransitionBatch, episode_end: Any) -> list[tuple[int, int]]:
     """``[(start, stop), ...]`` rows of each episode of a time-ordered 1-step batch."""
     n = batch.batch_size
+    if episode_end is None and n == 1:
+        return [(0, 1)]
     if episode_end is None:
         same = jax.tree_util.tree_map(
             lambda a, b: np.all((a[:-1] == b[1:]).reshape(n - 1, -1), axis=1),
