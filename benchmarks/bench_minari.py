@@ -25,7 +25,10 @@ limit), written with ``minari.create_dataset_from_buffers`` into a temporary dat
    - ``MinariSource``: batches from ``MinariSource(dataset, 256)`` (shuffled, host reads
      through ``io_callback``).
 
-   The wait on data is ``(t_source - t_ready) / t_source`` (goal: <= 10 %).
+   The wait on data is measured two ways: the time the compiled loop spends inside
+   MinariSource's host callback (timed around it), and ``(t_source - t_ready) / t_source``,
+   which also counts the CPU the data path takes from the updates on a busy machine
+   (goal: <= 10 %).
 
 3. **Streaming rate** (no training, a masked checksum of each batch), transitions per
    second over one epoch of the first ``--stream`` transitions:
@@ -204,8 +207,22 @@ def update(params: dict, opt_state, batch: dict, mask: jax.Array):
     return optax.apply_updates(params, updates), opt_state
 
 
+class TimedMinariSource(MinariSource):
+    """MinariSource that adds up the time the compiled loop spends in its host callback
+    (instrumentation of this benchmark: ``_fetch`` is the callback's host side)."""
+
+    inside = 0.0
+
+    def _fetch(self, *args):
+        start = time.perf_counter()
+        try:
+            return super()._fetch(*args)
+        finally:
+            TimedMinariSource.inside += time.perf_counter() - start
+
+
 def bench_training(dataset, repeats: int) -> str:
-    source = MinariSource(dataset, BATCH, prefetch=16)
+    source = TimedMinariSource(dataset, BATCH, prefetch=16)
     steps = source.steps_per_epoch
     # the same epoch's batches, gathered once and put on the device
     state = source.init_state(jax.random.key(0))
@@ -239,14 +256,17 @@ def bench_training(dataset, repeats: int) -> str:
     box = [source.init_state(jax.random.key(2))]
     jax.block_until_ready(epoch_source(carry, box[0]))
     times: dict[str, list[float]] = {"ready (on device)": [], "MinariSource": []}
+    inside = []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(epoch_ready(carry, ready))
         times["ready (on device)"].append(time.perf_counter() - start)
+        TimedMinariSource.inside = 0.0
         start = time.perf_counter()
         out, box[0] = epoch_source(carry, box[0])
         jax.block_until_ready(out)
         times["MinariSource"].append(time.perf_counter() - start)
+        inside.append(TimedMinariSource.inside / times["MinariSource"][-1])
     t_ready, t_source = median(times["ready (on device)"]), median(times["MinariSource"])
     rows = [
         [k, f"{median(v) * 1e3:.0f}", f"{median(v) / steps * 1e6:.0f}"] for k, v in times.items()
@@ -254,7 +274,8 @@ def bench_training(dataset, repeats: int) -> str:
     wait = max(t_source - t_ready, 0.0) / t_source
     return (
         table(["variant", "ms/epoch", "us/step"], rows)
-        + f"\nwait on data: {wait:.1%} of the step time (goal <= 10 %)"
+        + f"\nwait on data: {median(inside):.1%} of the epoch inside the host callback; "
+        f"{wait:.1%} longer than with the data ready on the device (goal <= 10 %)"
     )
 
 
