@@ -113,7 +113,7 @@ class _Background:
             self._buffer = np.empty(0, np.uint8)  # released before the new one is taken
             self._buffer = np.empty(self._need, np.uint8)
         self._need, self._pairs, views = 0, [], []
-        self._views: list[np.ndarray] = views  # held until the write ends
+        self._views: list[memoryview] = views  # held until the write ends
         # the originals stay alive until the walk ends, so no id is reused (as in deepcopy)
         self._keep: list[Any] = []
         self._memo: dict[int, Any] = {}
@@ -197,11 +197,11 @@ class _Background:
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         if self._host is None or x.weak_type:
             return jax.block_until_ready(jax.device_put(x, self._host, may_alias=False))
-        view = np.asarray(x)
-        if getattr(view.base, "obj", None) is x:  # x's own memory, as a buffer x exports
-            self._views.append(view)  # jax keeps that memory while the view lives
+        try:  # a view of a CPU array's memory: jax keeps it (no donation) while the view lives
+            self._views.append(memoryview(x))
             return x
-        return jax.device_put(view, self._host, may_alias=True)  # e.g. a copy from a GPU
+        except BufferError:  # not exported: an array on a GPU, or of a type such as bfloat16
+            return jax.device_put(np.asarray(x), self._host, may_alias=True)
 
     def _copy_arrays(self) -> None:
         pieces = []
