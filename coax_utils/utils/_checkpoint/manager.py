@@ -90,10 +90,9 @@ class _Background:
     stay shared and cycles close. numpy arrays are copied after the walk, in pieces on a few
     threads, into one buffer kept from one save to the next: after the first saves a copy
     touches no fresh pages, which the kernel would have to zero and compact first. jax arrays
-    never change and are not copied: the snapshot holds a CPU array itself, with a numpy view
-    of its memory until the write ends (jax declines to donate a buffer that a view refers
-    to), and the host copy of any other array (from a GPU, say) as a CPU array. Weakly typed
-    arrays, whose type a view loses, are copied by jax.
+    never change and are not copied: the snapshot holds a CPU array itself, with a view of
+    its memory until the write ends (jax declines to donate a buffer that a view refers to),
+    and the host copy of any other array (from a GPU, say) as a CPU array.
     """
 
     def __init__(self) -> None:
@@ -195,13 +194,14 @@ class _Background:
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             data = self._jax(jax.random.key_data(x))
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        if self._host is None or x.weak_type:
-            return jax.block_until_ready(jax.device_put(x, self._host, may_alias=False))
         try:  # a view of a CPU array's memory: jax keeps it (no donation) while the view lives
             self._views.append(memoryview(x))
             return x
         except BufferError:  # not exported: an array on a GPU, or of a type such as bfloat16
-            return jax.device_put(np.asarray(x), self._host, may_alias=True)
+            pass
+        if self._host is None or x.weak_type:  # a copy by jax keeps the weak type
+            return jax.block_until_ready(jax.device_put(x, self._host, may_alias=False))
+        return jax.device_put(np.asarray(x), self._host, may_alias=True)
 
     def _copy_arrays(self) -> None:
         pieces = []
