@@ -159,7 +159,6 @@ def main() -> int:
     avg = float("-inf")
     while agent["step"] < max_steps and avg < args.target_return:
         train(agent, env, eval_every, *schedule, manager, save_every, log_every)
-        _common.write_returns(args.outdir, agent["episode_ends"], agent["returns"])
         avg = _common.evaluate(eval_env, policy(agent["params"]), num_episodes=10, seed=10_000)
         print(
             f"   eval at step {agent['step']}: average return over 10 episodes {avg:.1f} "
@@ -170,7 +169,8 @@ def main() -> int:
     manager.close()
     print(f"   checkpoints kept: steps {manager.all_steps()} (best: {manager.best_step()})")
     utils.dump(agent, args.outdir / "checkpoint.pkl.lz4")
-    print(f"   final agent written: {args.outdir / 'checkpoint.pkl.lz4'}")
+    curve = _common.write_returns(args.outdir, agent["episode_ends"], agent["returns"])
+    print(f"   final agent written: {args.outdir / 'checkpoint.pkl.lz4'}, learning curve: {curve}")
     gif_env = gym.make("CartPole-v1", render_mode="rgb_array")
     gif = args.outdir / "dqn_cartpole.gif"
     utils.generate_gif(gif_env, gif, policy(agent["params"]), resize_to=(300, 200), duration=30)

@@ -80,9 +80,16 @@ def test_dqn_cartpole_smoke(tmp_path):
     returns = check_returns(tmp_path, "dqn_cartpole.py", max_step=agent["step"])
     np.testing.assert_array_equal(returns, agent["returns"])
     np.testing.assert_array_equal(
-        np.loadtxt(tmp_path / "returns.csv", delimiter=",", skiprows=2)[:, 0], agent["episode_ends"]
+        np.loadtxt(tmp_path / "returns.csv", delimiter=",", skiprows=2, ndmin=2)[:, 0],
+        agent["episode_ends"],
     )
     assert np.all(returns >= 8) and np.all(returns == np.round(returns))
+
+    # --resume continues from the newest checkpoint: at max_steps there is nothing left to
+    # train, and the curve holds the same episodes
+    stdout = run_example("dqn_cartpole.py", "--smoke", "--outdir", str(tmp_path), "--resume")
+    assert f"resumed from the checkpoint at step {agent['step']}" in stdout
+    np.testing.assert_array_equal(check_returns(tmp_path, "dqn_cartpole.py", 600), returns)
 
 
 def test_dqn_atari_smoke(tmp_path):
