@@ -170,7 +170,12 @@ def main() -> int:
     parser = _common.make_parser(
         __doc__.splitlines()[0], outdir="runs/jitted_dqn", num_steps=40_000
     )
-    parser.add_argument("--env", choices=("jax", "gymnasium"), default="jax", help="CartPole")
+    parser.add_argument(
+        "--env",
+        choices=("jax", "gymnasium"),
+        default="jax",
+        help="gymnax's or gymnasium's CartPole",
+    )
     parser.add_argument("--chunk-size", type=int, default=1_000)
     parser.add_argument("--target-return", type=float, default=475.0)
     args = parser.parse_args()
