@@ -164,6 +164,9 @@ def test_jittable_buffers_get_the_same_transitions(cartpole):
     )
 
 
+# Minari 0.5.3's HDF5 writer JPEG-encodes every uint8 array of 4 dims ending in 3 channels,
+# a frame stack included, and fails on it (0.5.4 decides by the space: stacks stay raw)
+@pytest.mark.requires(minari="0.5.4")
 def test_frame_stacked_image_observations(monkeypatch):
     # CartPole's rendered frames, 24x24 RGB, stacked by 3 (stacks of frames are stored as
     # they are by Minari: only single images are JPEG-encoded)
