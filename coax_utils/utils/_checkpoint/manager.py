@@ -177,7 +177,7 @@ class _Background:
         elif t is dict:  # opened here, not as a pytree: jax would sort the keys
             y = self._memo[id(x)] = {}
             for key, value in x.items():
-                y[self._copy(key)] = self._copy(value)
+                y[key if type(key) in _ATOMS else self._copy(key)] = self._copy(value)
         else:
             children, node = jax.tree_util.tree_flatten(x, is_leaf=lambda c: c is not x)
             if node.num_nodes == 1 and node.num_leaves == 1:  # not a pytree node
@@ -191,14 +191,14 @@ class _Background:
         return y
 
     def _jax(self, x: jax.Array) -> jax.Array:
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            data = self._jax(jax.random.key_data(x))
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         try:  # a view of a CPU array's memory: jax keeps it (no donation) while the view lives
             self._views.append(memoryview(x))
             return x
-        except BufferError:  # not exported: an array on a GPU, or of a type such as bfloat16
+        except (BufferError, TypeError):  # on a GPU, of a type such as bfloat16, a PRNG key
             pass
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = self._jax(jax.random.key_data(x))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         if self._host is None or x.weak_type:  # a copy by jax keeps the weak type
             return jax.block_until_ready(jax.device_put(x, self._host, may_alias=False))
         return jax.device_put(np.asarray(x), self._host, may_alias=True)
