@@ -22,7 +22,6 @@ from coax_utils.replay._functional_common import (
     check_beta,
     checked_versions,
     compiled,
-    gather_rows,
     slot_versions,
 )
 from coax_utils.replay._seq_common import (
@@ -195,6 +194,28 @@ def _flags(x: Any, name: str, num_envs: int, default: bool) -> jax.Array:
     return jnp.broadcast_to(x != 0, (num_envs,))
 
 
+def _gather_windows(tree: Any, slots: jax.Array) -> Any:
+    """``x[slots]`` for every leaf ``x`` of ``tree`` (whole windows, core states, metadata).
+
+    On a CPU, one loop over the few sampled slots (a dynamic slice per leaf) instead of one
+    XLA gather per leaf, which splits a read from a large operand over threads (see
+    ``gather_rows`` in ``_functional_common``); other backends gather.
+    """
+
+    def gather(tree: Any, slots: jax.Array) -> Any:
+        return jax.tree_util.tree_map(lambda x: x.at[slots].get(mode="promise_in_bounds"), tree)
+
+    def loop(tree: Any, slots: jax.Array) -> Any:
+        def row(_: Any, i: jax.Array) -> tuple:
+            return None, jax.tree_util.tree_map(
+                lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree
+            )
+
+        return jax.lax.scan(row, None, slots)[1]
+
+    return jax.lax.platform_dependent(tree, slots, cpu=loop, default=gather)
+
+
 def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):  # noqa: ANN001, ANN202
     """The functions shared by both factories; ``hyper`` = (alpha, beta, eps, eta, strategy)."""
     C, L, P, B, E = check_config(length, period, burn_in, num_envs, capacity, 2**31 - 1)
@@ -271,27 +292,30 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
         slots = jnp.where(write, (state.pos + k) % C, C)  # C: dropped
         ends = jnp.where(ended, jnp.where(term, END_TERMINATED, END_TRUNCATED), 0)
 
-        def store_windows(state: Any) -> Any:
-            def store(s: jax.Array, x: jax.Array) -> jax.Array:
-                return s.at[slots].set(x, mode="drop", unique_indices=True)
+        def store(s: jax.Array, x: jax.Array) -> jax.Array:
+            return s.at[slots].set(x, mode="drop", unique_indices=True)
 
-            new = state.replace(
-                steps=jax.tree_util.tree_map(store, state.steps, pending),
-                core=jax.tree_util.tree_map(
-                    lambda s, p: store(s, p[:, 0]), state.core, pending_core
-                ),
-                seq_len=store(state.seq_len, jnp.where(full, L, n).astype(jnp.int32)),
-                seq_end=store(state.seq_end, ends.astype(jnp.int8)),
-                seq_first=store(state.seq_first, state.chain_first),
+        def store_windows(storage: tuple) -> tuple:
+            steps, core = storage
+            return (
+                jax.tree_util.tree_map(store, steps, pending),
+                jax.tree_util.tree_map(lambda s, p: store(s, p[:, 0]), core, pending_core),
             )
-            if prioritized:
-                p = jnp.minimum(jnp.power(state.max_mix + epsilon, alpha), state.tree.max_value)
-                tree = sum_tree_set(state.tree, jnp.where(write, slots, -1), p, strategy)
-                new = new.replace(tree=tree)
-            return new
 
-        # most steps write no window: skip the scatters then
-        new = jax.lax.cond(num > 0, store_windows, lambda s: s, state)
+        # most steps write no window: skip the scatters of whole windows then (only the
+        # storage goes through the cond: small arrays passed through it were copied)
+        steps, core = jax.lax.cond(num > 0, store_windows, lambda x: x, (state.steps, state.core))
+        new = state.replace(
+            steps=steps,
+            core=core,
+            seq_len=store(state.seq_len, jnp.where(full, L, n).astype(jnp.int32)),
+            seq_end=store(state.seq_end, ends.astype(jnp.int8)),
+            seq_first=store(state.seq_first, state.chain_first),
+        )
+        if prioritized:
+            p = jnp.minimum(jnp.power(state.max_mix + epsilon, alpha), state.tree.max_value)
+            tree = sum_tree_set(state.tree, jnp.where(write, slots, -1), p, strategy)
+            new = new.replace(tree=tree)
         new = new.replace(
             pos=(state.pos + num) % C,
             size=jnp.minimum(state.size + num, C),
@@ -326,26 +350,30 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
         )
 
     def gather(state: Any, slots: jax.Array, weights: jax.Array, versions: Any) -> Any:
-        lengths = state.seq_len[slots]
+        rows = _gather_windows(
+            (state.steps, state.core, state.seq_len, state.seq_end, state.seq_first), slots
+        )
+        items, core, lengths, end, first = rows
         t = jnp.arange(L, dtype=jnp.int32)
-        # whole windows, then the tail past the valid steps padded with the last valid one
-        src = jnp.minimum(t, jnp.maximum(lengths[:, None], 1) - 1)
 
-        def pad(x: jax.Array) -> jax.Array:
-            return jnp.take_along_axis(x, src.reshape(src.shape + (1,) * (x.ndim - 2)), axis=1)
+        def pad(items: Any) -> Any:  # the tail past the valid steps: the last valid step
+            src = jnp.minimum(t, jnp.maximum(lengths[:, None], 1) - 1)
 
-        items = jax.tree_util.tree_map(pad, gather_rows(state.steps, slots))
-        end = state.seq_end[slots][:, None]
-        first = state.seq_first[slots][:, None]
+            def one(x: jax.Array) -> jax.Array:
+                return jnp.take_along_axis(x, src.reshape(src.shape + (1,) * (x.ndim - 2)), 1)
+
+            return jax.tree_util.tree_map(one, items)
+
+        items = jax.lax.cond(jnp.any(lengths < L), pad, lambda x: x, items)
         mask = t < lengths[:, None]
         last = t == lengths[:, None] - 1
         return SequenceReplaySample(
             items=items,
-            core_state=jax.tree_util.tree_map(lambda x: x[slots], state.core),
+            core_state=core,
             mask=mask,
-            loss_mask=mask & ((t >= B) | first),
-            terminated=last & (end == END_TERMINATED),
-            truncated=last & (end == END_TRUNCATED),
+            loss_mask=mask & ((t >= B) | first[:, None]),
+            terminated=last & (end[:, None] == END_TERMINATED),
+            truncated=last & (end[:, None] == END_TRUNCATED),
             indices=slots,
             weights=weights,
             versions=versions,
