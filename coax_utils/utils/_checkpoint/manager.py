@@ -129,6 +129,7 @@ class _Background:
         self._thread.start()
 
     def _run(self, write: Callable[[Any], None], snapshot: Any, views: list) -> None:
+        """``write(snapshot)``, with ``views`` (of the snapshot's jax arrays) held meanwhile."""
         time.sleep(0)  # hands the GIL back: the caller goes on before the write starts
         try:
             write(snapshot)
