@@ -9,7 +9,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from coax_utils._minari import (
     Episode,
@@ -183,6 +182,8 @@ def fill_from_minari(
         fill_from_minari(dataset, buffer, tracer=NStep(n=3, gamma=0.99), progress=True)
     """
     import_minari()
+    from tqdm import tqdm  # a progress bar only here: importing coax_utils stays light
+
     if not callable(getattr(buffer, "add", None)):
         raise TypeError(f"buffer must have an 'add' method, got {buffer!r:.80}")
     ids, limit = select_episodes(dataset, episodes, max_transitions)
