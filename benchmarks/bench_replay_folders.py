@@ -9,7 +9,9 @@ Variants, timed round robin on the same buffer (about ``--mb`` megabytes of stor
   checksums verified by reading each file once) is reported too;
 - with ``--against REV``, the same calls of the host buffers of the git revision ``REV``
   (its ``coax_utils/replay/_host.py``, loaded from ``git show``), e.g. the code before leaf
-  checksums: ``--against efa8b38``.
+  checksums: ``--against efa8b38``; the last lines then give the ratios of today's ``save``
+  and ``load`` to that code's (median over median, wall and CPU) against the goal
+  (``GOAL``: at most 1.3 times the time of the code before checksums).
 
 Each variant is timed ``--reps`` times, round robin; the tables give the median and the range
 of the wall time and of the CPU time of the process (all its threads): on a busy machine the
@@ -40,6 +42,7 @@ from bench_replay import report  # noqa: E402
 from coax_utils.replay import PrioritizedReplayBuffer, TransitionBatch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOAL = 1.3  # save and load with checksums: at most this times the code before them
 
 
 def make_buffer(mb: int) -> PrioritizedReplayBuffer:
@@ -158,6 +161,7 @@ def main() -> None:
         for x, y in zip(np_load(paths["bare"], len(arrays)), arrays, strict=True):
             np.testing.assert_array_equal(x, y)
         print(f"storage: {size / 2**20:.0f} MB in {len(arrays)} arrays; {os.cpu_count()} CPUs")
+        goals = []
         for title, variants, ref in [
             ("save (fsynced)", saves, "save"),
             ("load into memory", loads, "load"),
@@ -166,6 +170,16 @@ def main() -> None:
             wall, cpu = timed(variants, args.reps)
             report(f"{title}, {size / 2**20:.0f} MB: wall", wall, ref, unit=1e-3, label="ms")
             report(f"{title}, {size / 2**20:.0f} MB: CPU", cpu, ref, unit=1e-3, label="ms")
+            old_name = next((k for k in variants if k.endswith(f"({args.against})")), None)
+            if args.against and ref != "load(mmap_mode='c')":
+                ratios = [np.median(t[ref]) / np.median(t[old_name]) for t in (wall, cpu)]
+                met = "met" if ratios[0] <= GOAL else "NOT met"
+                goals.append(
+                    f"  {ref} / {old_name}: {ratios[0]:.2f}x wall, {ratios[1]:.2f}x CPU"
+                    f" (goal: at most {GOAL}x wall: {met})"
+                )
+        if goals:
+            print(f"\ngoals, {size / 2**20:.0f} MB, against {args.against}:", *goals, sep="\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -8,9 +8,9 @@ while it was read.
 
 Every leaf carries checksums, computed while it is written and recorded in ``meta.lz4``: the
 XXH64 (:mod:`._xxh64`) of its ``.npy`` header and of each consecutive chunk of its array data
-(``chunk_bytes``, recorded too, 8 MiB). The chunks are written, or read, and hashed by a few
-threads at once (one reads a chunk while another hashes the one before), so the checksums
-cost little next to the file's bytes.
+(``chunk_bytes``, recorded too; saves use 8 MiB). The chunks are written, or copied from a
+mapping of the file, and hashed by a few threads at once, each copy in the same pass as its
+hash, so the checksums cost little next to the file's bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import io
+import itertools
 import math
+import mmap
 import os
 import re
 from typing import Any
@@ -41,10 +43,10 @@ _MAX_THREADS = 4
 _ATTEMPTS = 100  # loads started again because concurrent saves replaced the folder
 
 
-def _xxh64(data: np.ndarray) -> int:
+def _xxh64(data: np.ndarray, out: np.ndarray | None = None) -> int:
     from coax_utils.replay._xxh64 import xxh64  # numba: compiled or loaded on first use
 
-    return xxh64(data)
+    return xxh64(data, out)
 
 
 def _threads() -> int:
@@ -56,6 +58,20 @@ def _wait_all(futures: list) -> list:
     only then: none may still use a file that the caller closes)."""
     concurrent.futures.wait(futures)
     return [f.result() for f in futures]
+
+
+def _chunk_checksums(nbytes: int, chunk: int, pool: Any, checksum: Any) -> list[int]:
+    """``checksum(lo)`` of each chunk of ``nbytes`` bytes (``lo``: where it starts), on the
+    threads of ``pool``, each taking the next chunk not taken yet."""
+    sums = [0] * -(-nbytes // chunk)
+    chunks = itertools.count()  # its next() is atomic
+
+    def run() -> None:
+        while (k := next(chunks)) < len(sums):
+            sums[k] = checksum(k * chunk)
+
+    _wait_all([pool.submit(run) for _ in range(min(_threads(), len(sums)))])
+    return sums
 
 
 def _is_saved_folder(path: str) -> bool:
@@ -88,16 +104,13 @@ def _write_leaf(path: str, arr: np.ndarray, pool: Any) -> dict:
     chunks: list[int] = []
 
     def write_all(place: Any) -> None:
-        def write(offset: int, piece: Any) -> int:
-            place(offset, piece)
+        def write(lo: int) -> int:
+            piece = data[lo : lo + CHUNK_BYTES]
+            place(len(header) + lo, piece)
             return _xxh64(piece)
 
         place(0, header)
-        futures = [  # all finished before the file is closed, even after an error
-            pool.submit(write, len(header) + lo, data[lo : lo + CHUNK_BYTES])
-            for lo in range(0, len(data), CHUNK_BYTES)
-        ]
-        chunks.extend(_wait_all(futures))
+        chunks.extend(_chunk_checksums(len(data), CHUNK_BYTES, pool, write))
 
     write_file(path, write_all)
     return {
@@ -229,8 +242,13 @@ class _Leaf:
         self.fd, self.chunk, self.checksums = fd, int(chunk), [int(c) for c in chunks]
 
     def read(self, mmap_mode: str | None, pool: Any) -> np.ndarray:
-        """The array, read into memory or mapped, every chunk checked against its checksum
-        (ValueError if one fails): a chunk is read while the one before is hashed."""
+        """The array, mapped (``mmap_mode`` "c" or "r") or read into memory (None), every
+        chunk checked against its checksum (ValueError if one fails).
+
+        A read into memory maps one chunk of the file at a time and copies it while it
+        hashes it, in one pass (cheaper than a read() and a hash: the kernel copies
+        nothing); a leaf truncated by another program during that pass raises SIGBUS
+        (saves never truncate a leaf: they replace the folder)."""
         mapped = mmap_mode is not None and self.nbytes > 0
         if mapped:
             with open(self.fd, "rb", closefd=False) as f:
@@ -240,13 +258,19 @@ class _Leaf:
         data = _bytes_of(arr)
 
         def checksum(lo: int) -> int:
-            piece = data[lo : lo + self.chunk]
-            if not mapped:
-                _read_exactly(self.fd, piece, self.start + lo)
-            return _xxh64(piece)
+            hi = min(lo + self.chunk, self.nbytes)
+            if mapped:
+                return _xxh64(data[lo:hi])
+            first = (self.start + lo) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+            skip = self.start + lo - first
+            source = mmap.mmap(self.fd, skip + hi - lo, prot=mmap.PROT_READ, offset=first)
+            try:
+                return _xxh64(np.frombuffer(source, np.uint8, hi - lo, skip), data[lo:hi])
+            finally:
+                source.close()
 
-        futures = [pool.submit(checksum, lo) for lo in range(0, self.nbytes, self.chunk)]
-        for k, (got, want) in enumerate(zip(_wait_all(futures), self.checksums)):
+        sums = _chunk_checksums(self.nbytes, self.chunk, pool, checksum)
+        for k, (got, want) in enumerate(zip(sums, self.checksums)):
             if got != want:
                 lo = self.start + k * self.chunk
                 hi = min(lo + self.chunk, self.start + self.nbytes)

@@ -1,7 +1,7 @@
 """XXH64, the 64-bit xxHash of Yann Collet (seed 0), compiled with numba (imported lazily).
 
 The checksum of replay-folder leaves: a non-cryptographic hash that runs at several GB/s on
-one core (about four times zlib's CRC-32), so verifying a leaf costs little next to copying
+one core (three to four times zlib's CRC-32), so verifying a leaf costs little next to copying
 its bytes. It follows the reference algorithm (https://github.com/Cyan4973/xxHash,
 ``doc/xxhash_spec.md``): the 8-byte words of the input are read little-endian, which is
 the byte order of the machines that run numba's little-endian targets (x86-64, AArch64).
@@ -40,25 +40,32 @@ def _merge(h, v):
 
 
 @numba.njit(cache=True, nogil=True)
-def _xxh64(data, words):
-    # data: the input bytes (uint8); words: its first len(data) // 8 words (uint64)
-    n = data.size
-    i = 0  # words consumed
+def _xxh64(data, words, out_data, out_words):
+    # data: the input bytes (uint8); words: its first len(data) // 8 bytes as uint64. The
+    # bytes are copied to out_data (the same as out_words) while they are hashed, unless it
+    # is empty: one pass over the bytes instead of two.
+    n, stripes = data.size, data.size // 32
+    copy = out_data.size > 0
     if n >= 32:
         v1, v2 = _P1 + _P2, _P2
         v3, v4 = np.uint64(0), np.uint64(0) - _P1
-        stripes = n // 32
         for s in range(stripes):
-            v1 = _round(v1, words[4 * s])
-            v2 = _round(v2, words[4 * s + 1])
-            v3 = _round(v3, words[4 * s + 2])
-            v4 = _round(v4, words[4 * s + 3])
-        i = 4 * stripes
+            w1, w2, w3, w4 = words[4 * s], words[4 * s + 1], words[4 * s + 2], words[4 * s + 3]
+            if copy:
+                out_words[4 * s], out_words[4 * s + 1] = w1, w2
+                out_words[4 * s + 2], out_words[4 * s + 3] = w3, w4
+            v1 = _round(v1, w1)
+            v2 = _round(v2, w2)
+            v3 = _round(v3, w3)
+            v4 = _round(v4, w4)
         h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
         h = _merge(_merge(_merge(_merge(h, v1), v2), v3), v4)
     else:
         h = _P5
+    if copy:
+        out_data[32 * stripes :] = data[32 * stripes :]
     h += np.uint64(n)
+    i = 4 * stripes  # words consumed
     while i < n // 8:
         h = _rotl(h ^ _round(np.uint64(0), words[i]), 27) * _P1 + _P4
         i += 1
@@ -80,9 +87,24 @@ def _xxh64(data, words):
     return h
 
 
-def xxh64(data: np.ndarray) -> int:
-    """The XXH64 (seed 0) of the bytes of a contiguous uint8 array (the GIL is released)."""
+def _words(data: np.ndarray) -> np.ndarray:
+    return data[: data.size // 8 * 8].view(np.uint64)
+
+
+def _checked(data: np.ndarray, name: str) -> np.ndarray:
     data = np.asarray(data)
     if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
-        raise TypeError("xxh64 takes a contiguous one-dimensional uint8 array")
-    return int(_xxh64(data, data[: data.size // 8 * 8].view(np.uint64)))
+        raise TypeError(f"{name} must be a contiguous one-dimensional uint8 array")
+    return data
+
+
+def xxh64(data: np.ndarray, out: np.ndarray | None = None) -> int:
+    """The XXH64 (seed 0) of the bytes of ``data``, a contiguous uint8 array (the GIL is
+    released); with ``out``, an array like ``data``, the bytes are copied to it too, in the
+    same pass (cheaper than a copy and a hash)."""
+    data = _checked(data, "data")
+    if out is None:
+        out = np.zeros(0, np.uint8)
+    elif _checked(out, "out").size != data.size:
+        raise ValueError(f"out holds {out.size} bytes, data {data.size}")
+    return int(_xxh64(data, _words(data), out, _words(out)))

@@ -80,5 +80,5 @@ def test_one_changed_bit_changes_the_hash():
 
 def test_it_takes_contiguous_bytes_only():
     for bad in (np.zeros(8, np.int16), np.zeros((2, 4), np.uint8), np.zeros(8, np.uint8)[::2]):
-        with pytest.raises(TypeError, match="contiguous one-dimensional uint8"):
+        with pytest.raises(TypeError, match="contiguous one-dimensional uint8 array"):
             xxh64(bad)
