@@ -265,7 +265,7 @@ def forge(n, weak, pad):  # n zero-size jax arrays of distinct shapes, and a str
     return container.container_bytes(2, {}, segments, uncompressed=1)
 target = 990_000  # bytes: as many jax arrays as a file of this size may hold (or more)
 if kind == 'one-element':  # honest, from dumps: padded with random bytes
-    arrays = [jnp.full((1,), i, jnp.float32) for i in range(2900)]
+    arrays = [jnp.full((1,), i, jnp.float32) for i in range(1900)]
     pad = np.random.default_rng(0).integers(0, 256, target - len(utils.dumps(arrays)), np.uint8)
     s = utils.dumps([arrays, pad])
 else:

@@ -90,10 +90,10 @@ def test_a_file_may_hold_only_so_many_jax_arrays_for_its_size():
     assert budget < 3000
     with pytest.raises(utils.CheckpointDamagedError, match=f"more than {budget} jax arrays"):
         utils.loads(zero_size_arrays(3000), safe=True)
-    s = zero_size_arrays(2000)
-    assert 2000 <= jax_array_budget(len(s)) < 3072  # under 1 MB: at most 3072 arrays
+    s = zero_size_arrays(1000)
+    assert 1000 <= jax_array_budget(len(s)) <= jax_array_budget(10**6) == 2000
     restored = utils.loads(s, safe=True)
-    assert [x.shape for x in restored] == [(0, i) for i in range(2000)]
+    assert [x.shape for x in restored] == [(0, i) for i in range(1000)]
 
 
 @pytest.mark.parametrize("to_file", [False, True])
@@ -113,7 +113,7 @@ def test_many_tiny_jax_arrays_past_the_budget_go_to_the_pickle_section(tmp_path,
     tree = json.loads(_ckpt_container.read_segments(source, container, [0])[0].tobytes())
     (arrays_node,) = [v for k, v in tree["root"][2] if k == "arrays"]
     held = sum(1 for x in arrays_node[2] if x[0] == "j")
-    assert 2048 <= held <= jax_array_budget(len(s)) < 3000  # the rest went to the pickle section
+    assert 1024 <= held <= jax_array_budget(len(s)) < 3000  # the rest went to the pickle section
     restored = utils.loads(s)  # safe=False unpickles the rest
     assert restored["step"] == 7
     assert all(isinstance(x, jax.Array) for x in restored["arrays"])

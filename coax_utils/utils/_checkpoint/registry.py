@@ -48,12 +48,12 @@ def reference_budget(structure_bytes: int) -> int:
 
 
 def jax_array_budget(file_bytes: int) -> int:
-    """How many jax arrays a file of ``file_bytes`` bytes may hold as data: 2048, and one
-    more per KiB. Each takes a fixed time to create on the device (about 0.1 ms, whatever its
-    size; a zero-size one needs no bytes in the file), so a file under 1 MB restores at most
-    3072 of them. Arrays of 1 KiB or more never reach it; the writer puts the jax arrays past
-    it in the pickle section."""
-    return 2048 + file_bytes // 1024
+    """How many jax arrays a file of ``file_bytes`` bytes may hold as data: 1024, and one
+    more per KiB. Each takes a fixed time to create on the device (0.1 to 0.2 ms of CPU,
+    however small; a zero-size one needs no bytes in the file), so a file under 1 MB
+    restores at most 2000 of them. Arrays of 1 KiB or more never reach it; the writer puts
+    the jax arrays past it in the pickle section."""
+    return 1024 + file_bytes // 1024
 
 
 # -- dtypes -----------------------------------------------------------------------------------
