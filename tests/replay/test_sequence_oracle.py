@@ -355,3 +355,30 @@ def test_restored_host_states_are_checked():
     for state in bad:
         with pytest.raises((ValueError, TypeError)):
             PrioritizedSequenceReplayBuffer.__checkpoint_restore__(state)
+
+
+@pytest.mark.requires(gymnasium="1.1")
+def test_a_masked_reset_keeps_the_other_chains():
+    # gymnasium's vector envs pop options["reset_mask"]: the recorders read it first, so a
+    # masked reset restarts only the reset sub-envs (sequence chains and n-step tracers)
+    from coax_utils.replay import NStep, RecordTransitions, SimpleReplayBuffer
+
+    def make():
+        fns = [lambda: gymnasium.make("CartPole-v1", max_episode_steps=5)] * 2
+        return gymnasium.vector.SyncVectorEnv(fns, autoreset_mode="Disabled")
+
+    chains = SequenceReplayBuffer(100, 4, num_envs=2)
+    transitions = SimpleReplayBuffer(100)
+    for recorder in (
+        RecordVectorSequences(make(), chains),
+        RecordTransitions(make(), transitions, NStep(n=3, gamma=0.9)),
+    ):
+        recorder.reset(seed=0)
+        for _ in range(3):
+            recorder.step(np.zeros(2, np.int64))
+        recorder.reset(options={"reset_mask": np.array([True, False])})
+        for _ in range(2):  # sub-env 1 reaches its time limit: 5 steps, none lost
+            recorder.step(np.zeros(2, np.int64))
+    assert [int(x) for x in chains.__checkpoint_state__()["chain_n"]] == [2, 0]
+    assert len(chains) == 2  # sub-env 1's windows: steps 0..3 and step 4 (truncated)
+    assert len(transitions) == 5  # sub-env 1's five transitions (sub-env 0's still traced)
