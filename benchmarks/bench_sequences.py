@@ -74,12 +74,15 @@ def host_buffer(num_steps: int) -> PrioritizedSequenceReplayBuffer:
     windows = num_steps // P
     empty = PrioritizedSequenceReplayBuffer(windows, L, P, L - P, E, alpha=0.6, random_seed=0)
     state = empty.__checkpoint_state__()
+    steps = filled_arrays(windows, (windows, L))
     state.update(
         count=windows,
-        steps=filled_arrays(windows, (windows, L)),
-        core=(np.ones((windows, H), np.float32), np.ones((windows, H), np.float32)),
-        pending=filled_arrays(E, (E, L)),
-        pending_core=(np.zeros((E, L, H), np.float32), np.zeros((E, L, H), np.float32)),
+        step_structure=jax.tree_util.tree_map(lambda x: 0, steps),
+        core_structure=(0, 0),
+        steps=jax.tree_util.tree_leaves(steps),
+        core=[np.ones((windows, H), np.float32), np.ones((windows, H), np.float32)],
+        pending=jax.tree_util.tree_leaves(filled_arrays(E, (E, L))),
+        pending_core=[np.zeros((E, L, H), np.float32), np.zeros((E, L, H), np.float32)],
         seq_len=np.full(windows, L, np.int32),
         abs_mix=np.random.default_rng(0).random(windows),
     )

@@ -8,12 +8,14 @@ storage together with the recurrent core state at their first step. Checkpoints:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
 import numpy as np
 
 from coax_utils._checks import check_float
+from coax_utils.replay._folders import load_folder, save_folder
 from coax_utils.replay._ring import check_ids
 from coax_utils.replay._seq_common import (
     END_TERMINATED,
@@ -370,6 +372,29 @@ class SequenceReplayBuffer(SequenceState):
             indices=self._ids[slots],
             weights=weights.astype(np.float32),
         )
+
+    # -- replay folders ----------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Save the buffer to a folder, atomically, as the transition buffers' ``save``:
+        every storage array (windows, core states, the chains' current windows) in a
+        ``.npy`` file of its own with its checksum, the rest in ``meta.lz4``; a kill at any
+        moment leaves the old or the new folder.
+
+        Raises
+        ------
+        ValueError
+            If ``path`` exists and is not a folder written by ``save`` (nothing is written).
+        """
+        save_folder(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, mmap_mode: str | None = None) -> Any:
+        """Load a buffer written by :meth:`save`, checking every file and the restored state
+        (as :meth:`SimpleReplayBuffer.load`; ``mmap_mode`` ``"c"`` maps the files
+        copy-on-write, ``"r"`` reads them into memory here, as the buffer writes into its
+        storage). The RNG stream and the chains continue."""
+        return load_folder(cls, path, mmap_mode)
 
     def __repr__(self) -> str:
         return (

@@ -24,20 +24,28 @@ def _array(state: dict, key: str, owner: str, dtype: Any, shape: tuple) -> np.nd
     return x if x.flags.writeable else x.copy()
 
 
-def _tree_arrays(tree: Any, key: str, owner: str, rows: tuple) -> tuple[list[np.ndarray], Any]:
-    """The leaves of a stored pytree, each a numeric array with ``rows`` in front."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+def _structure(template: Any, key: str, owner: str) -> Any:
+    """The treedef of a structure template (a pytree whose leaves are all the int 0)."""
+    leaves, treedef = jax.tree_util.tree_flatten(template)
+    if any(type(x) is not int or x != 0 for x in leaves):
+        raise ValueError(f"{owner} state: {key} must be a pytree whose leaves are all 0")
+    return treedef
+
+
+def _arrays(arrays: Any, key: str, owner: str, rows: tuple, count: int) -> list[np.ndarray]:
+    """``arrays``: a list of ``count`` numeric arrays with ``rows`` in front."""
+    if not isinstance(arrays, list) or len(arrays) != count:
+        raise ValueError(f"{owner} state: {key} must be a list of {count} arrays")
     out = []
-    for k, x in enumerate(leaves):
+    for k, x in enumerate(arrays):
         if not isinstance(x, np.ndarray) or x.dtype.kind not in "biuf":
-            raise ValueError(f"{owner} state: leaf {k} of {key} must be a numeric numpy array")
+            raise ValueError(f"{owner} state: {key}[{k}] must be a numeric numpy array")
         if x.shape[: len(rows)] != rows:
             raise ValueError(
-                f"{owner} state: leaf {k} of {key} must have the rows {rows} in front, got "
-                f"shape {x.shape}"
+                f"{owner} state: {key}[{k}] must have the rows {rows} in front, got shape {x.shape}"
             )
         out.append(x if x.flags.writeable else x.copy())
-    return out, treedef
+    return out
 
 
 def _same_items(a: list, b: list, skip_a: int, skip_b: int, what: str, owner: str) -> None:
@@ -63,6 +71,8 @@ class SequenceState:
         "num_envs",
         "count",
         "rng",
+        "step_structure",
+        "core_structure",
         "steps",
         "core",
         "pending",
@@ -82,12 +92,18 @@ class SequenceState:
 
     def __checkpoint_state__(self) -> dict[str, Any]:
         """The buffer as plain data: the configuration, the window counter, the RNG, the
-        stored windows (``steps`` and ``core``, pytrees of arrays with ``capacity`` rows),
+        structures of the steps and core states (``step_structure``, ``core_structure``:
+        the pytrees with every leaf 0), the stored windows (``steps`` and ``core``, lists of
+        the leaves' arrays with ``capacity`` rows),
         their valid lengths, end kinds (0 none, 1 terminated, 2 truncated) and episode-start
         flags, every chain's current window (``pending``, ``pending_core``, its step count
         ``chain_n`` and ``chain_first``), and for the prioritized buffer the
         hyperparameters and each window's TD-error mixture. Arrays are the buffer's own."""
         started = self._steps is not None
+
+        def template(treedef: Any) -> Any:  # the structure, every leaf 0
+            return treedef.unflatten([0] * treedef.num_leaves) if started else None
+
         state = {
             "capacity": self._capacity,
             "length": self._length,
@@ -96,10 +112,12 @@ class SequenceState:
             "num_envs": self._num_envs,
             "count": self._count,
             "rng": self._rng,
-            "steps": self._step_def.unflatten(self._steps) if started else None,
-            "core": self._core_def.unflatten(self._core) if started else None,
-            "pending": self._step_def.unflatten(self._pending) if started else None,
-            "pending_core": self._core_def.unflatten(self._pending_core) if started else None,
+            "step_structure": template(self._step_def),
+            "core_structure": template(self._core_def),
+            "steps": list(self._steps) if started else None,
+            "core": list(self._core) if started else None,
+            "pending": list(self._pending) if started else None,
+            "pending_core": list(self._pending_core) if started else None,
             "chain_n": self._n,
             "chain_first": self._first,
             "seq_len": self._seq_len,
@@ -192,8 +210,8 @@ class SequenceState:
         obj._restore_storage(state, count)
         if hasattr(obj, "update"):
             obj._restore_priorities(state)
-        arrays = jax.tree_util.tree_leaves([obj._steps, obj._core, obj._pending])
-        arrays += jax.tree_util.tree_leaves(obj._pending_core) + [seq_len, seq_end, seq_first]
+        arrays = [*(obj._steps or []), *(obj._core or []), *(obj._pending or [])]
+        arrays += [*(obj._pending_core or []), seq_len, seq_end, seq_first]
         arrays += [n, first] + ([obj._abs_mix] if hasattr(obj, "update") else [])
         for k, a in enumerate(arrays):
             if any(np.may_share_memory(a, b) for b in arrays[k + 1 :]):
@@ -203,27 +221,21 @@ class SequenceState:
     def _restore_storage(self, state: dict[str, Any], count: int) -> None:
         name = type(self).__name__
         C, L, E = self._capacity, self._length, self._num_envs
+        keys = ("step_structure", "core_structure", "steps", "core", "pending", "pending_core")
         if state["steps"] is None:
-            others = [state[k] for k in ("core", "pending", "pending_core")]
-            if (
-                count
-                or any(x is not None for x in others)
-                or np.any(self._n)
-                or not all(self._first)
-            ):
+            if count or any(state[k] is not None for k in keys) or np.any(self._n):
                 raise ValueError(f"{name} state: windows or chains without stored steps")
+            if not all(self._first):
+                raise ValueError(f"{name} state: chains in an episode without stored steps")
             return
-        steps, step_def = _tree_arrays(state["steps"], "steps", name, (C, L))
-        pending, pending_def = _tree_arrays(state["pending"], "pending", name, (E, L))
-        core, core_def = _tree_arrays(state["core"], "core", name, (C,))
-        pending_core, pending_core_def = _tree_arrays(
-            state["pending_core"], "pending_core", name, (E, L)
-        )
-        if not steps or step_def != pending_def or core_def != pending_core_def:
-            raise ValueError(
-                f"{name} state: steps and pending (core and pending_core) must have one "
-                "structure, with at least one step array"
-            )
+        step_def = _structure(state["step_structure"], "step_structure", name)
+        core_def = _structure(state["core_structure"], "core_structure", name)
+        steps = _arrays(state["steps"], "steps", name, (C, L), step_def.num_leaves)
+        pending = _arrays(state["pending"], "pending", name, (E, L), step_def.num_leaves)
+        core = _arrays(state["core"], "core", name, (C,), core_def.num_leaves)
+        pending_core = _arrays(state["pending_core"], "pending_core", name, (E, L), len(core))
+        if not steps:
+            raise ValueError(f"{name} state: the steps need at least one array")
         _same_items(steps, pending, 2, 2, "steps and pending", name)
         _same_items(core, pending_core, 1, 2, "core and pending_core", name)
         self._steps, self._pending, self._step_def = steps, pending, step_def

@@ -69,6 +69,9 @@ def stored_windows(buffer: Any) -> list[dict]:
     """The windows a host sequence buffer holds, oldest first, read from its state."""
     state = buffer.__checkpoint_state__()
     C, count = state["capacity"], state["count"]
+    for key, structure in (("steps", "step_structure"), ("core", "core_structure")):
+        treedef = jax.tree_util.tree_structure(state[structure])
+        state[key] = treedef.unflatten(state[key])
     out = []
     for i in range(max(0, count - C), count):
         slot = i % C
@@ -232,6 +235,32 @@ def test_stale_ids_are_ignored_and_bad_input_changes_nothing():
         SequenceReplayBuffer(8, 4.0)
 
 
+def test_folders_round_trip(tmp_path):
+    rng = np.random.default_rng(4)
+    calls, _ = random_stream(rng, 3, 40)
+    buffer = PrioritizedSequenceReplayBuffer(16, 5, 3, 2, 3, random_seed=5)
+    for call in calls[:25]:
+        buffer.add(*call)
+    buffer.update(np.arange(len(buffer)), rng.random((len(buffer), 5)))
+    buffer.save(tmp_path / "buffer")
+    buffer.save(tmp_path / "buffer")  # replaces its own folder
+    files = sorted(p.name for p in (tmp_path / "buffer").iterdir())
+    assert len(files) > 10 and "meta.lz4" in files  # every storage array in its own file
+    for mode in (None, "c"):
+        loaded = PrioritizedSequenceReplayBuffer.load(tmp_path / "buffer", mmap_mode=mode)
+        a, b = buffer.__checkpoint_state__(), loaded.__checkpoint_state__()
+        assert a.pop("rng").bit_generator.state == b.pop("rng").bit_generator.state
+        assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+        jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
+    for call in calls[25:]:
+        buffer.add(*call)
+        loaded.add(*call)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, buffer.sample(8), loaded.sample(8))
+    (tmp_path / "buffer" / "leaf_0.npy").write_bytes(b"not a leaf")
+    with pytest.raises(ValueError):
+        PrioritizedSequenceReplayBuffer.load(tmp_path / "buffer")
+
+
 def test_checkpoints_continue_the_stream(tmp_path):
     rng = np.random.default_rng(2)
     calls, _ = random_stream(rng, 3, 50)
@@ -326,6 +355,8 @@ def test_restored_host_states_are_checked():
 
     def forged(**changes):
         state = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in good.items()}
+        for key in ("steps", "core", "pending", "pending_core"):
+            state[key] = [x.copy() for x in state[key]]
         for key, fn in changes.items():
             state[key] = fn(state[key])
         return state
@@ -348,9 +379,12 @@ def test_restored_host_states_are_checked():
         forged(count=lambda x: -1),
         forged(burn_in=lambda x: 4),
         forged(period=lambda x: 0),
-        forged(core=lambda x: x._replace(cell=x.cell[:, None])),
-        forged(pending=lambda x: {"obs": x["obs"]}),
-        forged(steps=lambda x: {**x, "t": x["t"].astype(np.int32)}),
+        forged(core=lambda x: [x[0], x[1][:, None]]),
+        forged(pending=lambda x: x[:1]),
+        forged(steps=lambda x: [x[0], x[1].astype(np.int32)]),
+        forged(step_structure=lambda x: {"obs": 0}),
+        forged(step_structure=lambda x: {"obs": 0, "t": 1}),
+        forged(core_structure=lambda x: None),
     ]
     for state in bad:
         with pytest.raises((ValueError, TypeError)):
