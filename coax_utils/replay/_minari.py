@@ -20,6 +20,7 @@ from coax_utils._minari import (
 )
 from coax_utils.replay._functional import PrioritizedBuffer, UniformBuffer
 from coax_utils.replay._host import PrioritizedReplayBuffer, SimpleReplayBuffer
+from coax_utils.replay._seq_functional import PrioritizedSequenceBuffer, SequenceBuffer
 from coax_utils.replay._seq_host import PrioritizedSequenceReplayBuffer, SequenceReplayBuffer
 from coax_utils.replay._tracing import MonteCarlo
 from coax_utils.replay._transition import TransitionBatch
@@ -133,8 +134,10 @@ def fill_from_minari(
         with the keys ``obs``, ``action``, ``reward``, ``next_obs`` that
         :class:`RecordVectorSequences` uses, and no tracer), a jittable one (the containers
         of :func:`make_uniform_buffer`, :func:`make_prioritized_buffer`,
-        :func:`make_frame_stack_buffer`, :func:`make_prioritized_frame_stack_buffer`), or
-        anything with
+        :func:`make_frame_stack_buffer`, :func:`make_prioritized_frame_stack_buffer`, and
+        with ``num_envs=1`` :func:`make_sequence_buffer`,
+        :func:`make_prioritized_sequence_buffer`, whose steps go in through one jitted scan
+        of their ``add``), or anything with
         ``add(transition_batch)``.
     state : buffer state, optional
         For a jittable buffer: the state to add to (default: ``buffer.init`` of the first
@@ -188,7 +191,15 @@ def fill_from_minari(
         raise TypeError(f"buffer must have an 'add' method, got {buffer!r:.80}")
     ids, limit = select_episodes(dataset, episodes, max_transitions)
     tracer = _check_tracer(tracer)
-    sequences = isinstance(buffer, (SequenceReplayBuffer, PrioritizedSequenceReplayBuffer))
+    sequences = isinstance(
+        buffer,
+        (
+            SequenceReplayBuffer,
+            PrioritizedSequenceReplayBuffer,
+            SequenceBuffer,
+            PrioritizedSequenceBuffer,
+        ),
+    )
     if sequences and (tracer is not None or buffer.num_envs != 1):
         raise ValueError(
             "a sequence buffer stores steps, not traced transitions: fill one with "
@@ -215,6 +226,8 @@ def fill_from_minari(
             ends.append(end)
             bar.update(len(ep.rewards))
     try:
+        if isinstance(buffer, (SequenceBuffer, PrioritizedSequenceBuffer)):
+            return _scan_steps(buffer, state, read)
         if sequences:
             return _add_steps(buffer, read)
         batch = TransitionBatch.concatenate(*batches)
@@ -245,6 +258,33 @@ def _add_steps(buffer: Any, episodes: list[Episode]) -> None:
                 terminated=ep.terminations[t : t + 1],
                 truncated=ep.truncations[t : t + 1],
             )
+
+
+def _scan_steps(buffer: Any, state: Any, episodes: list[Episode]) -> Any:
+    """Feed a jittable sequence buffer every step, one ``add`` per step in one jitted scan."""
+
+    def cat(trees: list) -> Any:
+        return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *trees)
+
+    steps = {
+        "obs": cat([_rows(ep.observations, slice(0, -1)) for ep in episodes]),
+        "action": cat([ep.actions for ep in episodes]),
+        "reward": np.concatenate([ep.rewards for ep in episodes]),
+        "next_obs": cat([_rows(ep.observations, slice(1, None)) for ep in episodes]),
+    }
+    flags = tuple(
+        np.concatenate([getattr(ep, name) for ep in episodes])
+        for name in ("terminations", "truncations")
+    )
+    if state is None:
+        state = buffer.init(_rows(steps, 0))
+
+    def body(state: Any, xs: tuple) -> tuple:
+        step, terminated, truncated = xs
+        one = _rows(step, None)  # a leading sub-env axis of 1
+        return buffer.add(state, one, terminated=terminated[None], truncated=truncated[None]), None
+
+    return jax.jit(lambda state, xs: jax.lax.scan(body, state, xs)[0])(state, (steps, *flags))
 
 
 def _add(buffer: Any, state: Any, batch: TransitionBatch, episode_end: np.ndarray) -> Any:

@@ -21,6 +21,7 @@ from coax_utils.replay import (
     TransitionBatch,
     fill_from_minari,
     make_frame_stack_buffer,
+    make_sequence_buffer,
     make_uniform_buffer,
     save_as_minari,
 )
@@ -213,6 +214,17 @@ def test_sequence_buffers_get_the_steps_of_each_episode(cartpole):
         )
     with pytest.raises(ValueError, match="sequence buffer stores steps"):
         fill_from_minari(dataset, buffer, tracer=NStep(n=2, gamma=0.9))
+    # the jittable twin holds the same windows
+    jittable = make_sequence_buffer(capacity=200, length=4, period=1)
+    state = fill_from_minari(dataset, jittable)
+    assert int(state.size) == len(buffer)
+    twin = jittable.sample(state, jax.random.key(0), 32)
+    for row in range(32):
+        valid = np.asarray(twin.mask[row])
+        got = np.asarray(twin.items["obs"][row])[valid]
+        start = int(np.flatnonzero((obs == got[0]).all(axis=1))[0])
+        np.testing.assert_array_equal(got, obs[start : start + len(got)])
+        assert len({steps[i]["episode"] for i in range(start, start + len(got))}) == 1
 
 
 def test_prioritized_host_buffer_and_pendulum_box_actions():
