@@ -263,8 +263,7 @@ class _Leaf:
                 return _xxh64(data[lo:hi])
             first = (self.start + lo) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
             skip = self.start + lo - first
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # one call maps it all
-            source = mmap.mmap(self.fd, skip + hi - lo, flags, mmap.PROT_READ, offset=first)
+            source = mmap.mmap(self.fd, skip + hi - lo, prot=mmap.PROT_READ, offset=first)
             try:
                 return _xxh64(np.frombuffer(source, np.uint8, hi - lo, skip), data[lo:hi])
             finally:
