@@ -18,6 +18,8 @@ from coax_utils.sources._base import (
     PyTree,
     check_ordering,
     check_positive_int,
+    epoch_permutation,
+    sample_indices,
 )
 
 __all__ = ["MinariSource", "MinariSourceState"]
@@ -35,25 +37,31 @@ class MinariSourceState:
         int32 scalar: number of completed epochs.
     position : jax.Array
         int32 scalar: how many batches of the current epoch have been emitted.
+    order : jax.Array
+        Data in memory, shuffled: int32 array of shape ``(transitions,)``, the transitions
+        in the current epoch's order (drawn by the epoch's first ``next``). Empty otherwise.
     buffer : pytree of jax.Array
-        The prefetched batches (leading axis ``prefetch``).
+        With ``chunk_steps``: the prefetched batches (leading axis ``prefetch``). Data in
+        memory: empty (leading axis 0).
     buffer_mask : jax.Array
         Their masks.
     buffer_start : jax.Array
-        int32 scalar: the batch position of ``buffer[0]``; -1 when the buffer holds nothing
-        of the current epoch.
+        int32 scalar: the batch position of ``buffer[0]`` (data in memory: 0); -1 when the
+        state holds nothing of the current epoch (neither batches nor the epoch's order).
     """
 
     key: jax.Array
     epoch: jax.Array
     position: jax.Array
+    order: jax.Array
     buffer: PyTree
     buffer_mask: jax.Array
     buffer_start: jax.Array
 
 
 class _Chunk:
-    """The transitions of consecutive episodes, held on the host as flat arrays."""
+    """The transitions of consecutive episodes as flat arrays: NumPy arrays on the host, or
+    (after :meth:`to_device`) JAX arrays that :meth:`gather` reads inside compiled code."""
 
     def __init__(self, episodes: list) -> None:
         def cat(trees: list) -> Any:
@@ -72,15 +80,28 @@ class _Chunk:
         self.obs_row = np.arange(len(episode)) + episode
         self.last = np.repeat(starts + lengths - 1, lengths)
 
-    def gather(self, rows: np.ndarray, window: int | None) -> tuple[dict, np.ndarray]:
-        """The transitions at ``rows`` (or windows starting there) and their step masks."""
+    def to_device(self) -> _Chunk:
+        """Move every array to the default device (row indices as int32)."""
+        for name, tree in vars(self).items():
+            if name in ("obs_row", "last"):
+                tree = tree.astype(np.int32)
+            setattr(self, name, jax.tree_util.tree_map(jnp.asarray, tree))
+        return self
+
+    def gather(self, rows: Any, window: int | None) -> tuple[dict, Any]:
+        """The transitions at ``rows`` (or windows starting there) and their step masks.
+
+        NumPy ``rows`` index host arrays; traced ones index the arrays :meth:`to_device` put
+        on the device.
+        """
+        xp = np if isinstance(rows, np.ndarray) else jnp
         if window is None:  # single transitions: every step valid
-            steps, mask = rows, np.ones(len(rows), bool)
+            steps, mask = rows, xp.ones(rows.shape, bool)
         else:
-            steps = rows[:, None] + np.arange(window)
+            steps = rows[:, None] + xp.arange(window, dtype=rows.dtype)
             last = self.last[rows][:, None]
             mask = steps <= last
-            steps = np.minimum(steps, last)
+            steps = xp.minimum(steps, last)
         obs_rows = self.obs_row[steps]
         take = lambda tree, index: jax.tree_util.tree_map(lambda x: x[index], tree)  # noqa: E731
         value = {
@@ -111,20 +132,22 @@ class MinariSource(CompiledNext):
     ``(batch_size, L)``: as in :class:`~coax_utils.replay.SequenceSample`, steps past the end
     of the window's episode are masked and repeat the episode's last step.
 
-    Data reach the compiled loop through :func:`jax.experimental.io_callback`: one callback
-    gathers the next ``prefetch`` batches at once on the host (a NumPy fancy index into
-    arrays held in memory) and the following calls read them from the state, so a
-    :func:`jax.lax.scan` over an epoch leaves XLA only once every ``prefetch`` steps. A
-    background thread gathers the following ``prefetch`` batches while the loop computes, so
-    the callback only hands over arrays that are ready.
+    Without ``chunk_steps`` (data that fit in memory), the whole selection is read once, at
+    construction, into arrays on the default device, and :meth:`next` gathers each batch
+    there in compiled code (a take by the epoch's permutation, as
+    :class:`~coax_utils.sources.ArraySource` does): a :func:`jax.lax.scan` over an epoch never
+    leaves XLA and never waits on the host. Each epoch is shuffled as one.
 
     Data larger than memory: with ``chunk_steps`` the episodes are grouped into chunks of
     consecutive episodes of about that many transitions, and only the chunks a prefetch
-    touches are held in memory (each chunk is read from the dataset when the epoch reaches
-    it). Shuffling then draws the chunks in random order and shuffles the transitions within
-    each chunk (a two-level shuffle: without it every batch would read the whole dataset).
-    Without ``chunk_steps``, the whole selection is read into memory once, at construction,
-    and shuffled as one.
+    touches are held in (host) memory (each chunk is read from the dataset when the epoch
+    reaches it). Shuffling then draws the chunks in random order and shuffles the transitions
+    within each chunk (a two-level shuffle: without it every batch would read the whole
+    dataset). Data then reach the compiled loop through :func:`jax.experimental.io_callback`:
+    one callback gathers the next ``prefetch`` batches at once on the host and the following
+    calls read them from the state, so a :func:`jax.lax.scan` leaves XLA only once every
+    ``prefetch`` steps; a background thread gathers (and reads) the following ``prefetch``
+    batches while the loop computes.
 
     Parameters
     ----------
@@ -133,8 +156,10 @@ class MinariSource(CompiledNext):
     batch_size : int
         Transitions (or windows) per batch.
     ordering : {"shuffle", "sequential"}
-        ``"shuffle"``: a new order every epoch (drawn on the host by NumPy from the bits
-        of the state's key and the epoch number: the same key gives the same orders);
+        ``"shuffle"``: a new order every epoch, a function of the state's key and the epoch
+        number (the same key gives the same orders; in memory a
+        :func:`jax.random.permutation` of ``fold_in(key, epoch)``, with ``chunk_steps``
+        drawn on the host by NumPy from the key's bits and the epoch);
         ``"sequential"``: the episodes' order.
     window : int, optional
         Emit windows of this many steps instead of single transitions.
@@ -145,7 +170,7 @@ class MinariSource(CompiledNext):
     chunk_steps : int, optional
         Hold about this many transitions in memory at a time (see above).
     prefetch : int
-        Batches gathered per host callback.
+        With ``chunk_steps``: batches gathered per host callback (unused otherwise).
     check_finite : bool
         Refuse NaN or infinite rewards, observations or actions (naming the episode).
 
@@ -216,13 +241,14 @@ class MinariSource(CompiledNext):
         chunks.append([e.id for e in held])
         lengths.append(size)
         self._chunk_ids = chunks
-        self._memory: dict[int, _Chunk] = {}
-        if chunk_steps is None:
-            self._memory[0] = _Chunk(held)
+        self._memory: dict[int, _Chunk] = {}  # the chunks held on the host
         self._chunk_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         self._length = int(self._chunk_starts[-1])
         if self._length > np.iinfo(np.int32).max:
             raise ValueError(f"the selection holds {self._length} transitions, beyond int32")
+        # data in memory: every transition on the device, gathered in compiled code
+        self._device = None if chunk_steps is not None else _Chunk(held).to_device()
+        del held
         self._steps_per_epoch = -(-self._length // self._batch_size)
         self._chunk_of = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
         lead = (self._batch_size,) if window is None else (self._batch_size, self._window)
@@ -243,10 +269,13 @@ class MinariSource(CompiledNext):
             },
         )
         self._spec_leaves, self._treedef = jax.tree_util.tree_flatten(self._spec)
+        held = 0 if self._device is not None else self._prefetch  # batches a state holds
         self._fetch_leaves = [
-            jax.ShapeDtypeStruct((self._prefetch, *s.shape), s.dtype) for s in self._spec_leaves
+            jax.ShapeDtypeStruct((held, *s.shape), s.dtype) for s in self._spec_leaves
         ]
-        self._mask_spec = jax.ShapeDtypeStruct((self._prefetch, *lead), np.dtype(np.bool_))
+        self._mask_spec = jax.ShapeDtypeStruct((held, *lead), np.dtype(np.bool_))
+        shuffled_in_memory = self._device is not None and self._ordering == "shuffle"
+        self._order_length = self._length if shuffled_in_memory else 0
         self._epoch_order: tuple = (None, None)  # (key bits and epoch, order), on the host
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._ahead: tuple = (None, None)  # (what, future) of the refill prepared ahead
@@ -287,20 +316,12 @@ class MinariSource(CompiledNext):
         if np.any(flat >= self._length):
             raise ValueError(f"MinariSource: asked for a transition beyond the {self._length} held")
         index = np.where(valid, flat, 0)
-        if len(self._chunk_ids) == 1:  # all in memory: one gather per leaf
-            value, step_mask = self._chunk(0).gather(index, self._window)
-            leaves = self._treedef.flatten_up_to(value)
-            if not valid.all():  # padding rows hold zeros, as in the other sources
-                for leaf in leaves:
-                    leaf[~valid] = 0
-                step_mask[~valid] = False
-            out = [leaf.reshape(s.shape) for leaf, s in zip(leaves, self._fetch_leaves)]
-            return out, step_mask.reshape(self._mask_spec.shape)
         chunk_of = self._chunk_of[index]
         needed = np.unique(chunk_of[valid]) if valid.any() else np.zeros(1, np.int32)
         for c in list(self._memory):  # keep only what this prefetch reads
-            if len(self._chunk_ids) > 1 and c not in needed:
+            if c not in needed:
                 del self._memory[c]
+        # padding rows hold zeros, as in the other sources
         out = [np.zeros(s.shape, s.dtype) for s in self._fetch_leaves]
         flat_out = [x.reshape((len(flat), *x.shape[2:])) for x in out]
         mask = np.zeros(self._mask_spec.shape, bool)
@@ -384,6 +405,7 @@ class MinariSource(CompiledNext):
             key=key,
             epoch=jnp.zeros([], jnp.int32),
             position=jnp.zeros([], jnp.int32),
+            order=jnp.zeros(self._order_length, jnp.int32),  # drawn by the first next
             buffer=jax.tree_util.tree_unflatten(
                 self._treedef, [jnp.zeros(s.shape, s.dtype) for s in self._fetch_leaves]
             ),
@@ -432,6 +454,10 @@ class MinariSource(CompiledNext):
             tuple(s.shape) for s in self._fetch_leaves
         ]:
             raise ValueError(f"{self!r}.next got the state of another source (its buffer)")
+        if tuple(np.shape(state.order)) != (self._order_length,):
+            raise ValueError(f"{self!r}.next got the state of another source (its order)")
+        if self._device is not None:
+            return self._next_in_memory(state)
         stale = jnp.logical_or(
             state.buffer_start < 0, state.position >= state.buffer_start + self._prefetch
         )
@@ -448,6 +474,42 @@ class MinariSource(CompiledNext):
             buffer_start=jnp.where(epoch_ends, -1, state.buffer_start).astype(jnp.int32),
         )
         return batch, mask, new_state
+
+    def _next_in_memory(
+        self, state: MinariSourceState
+    ) -> tuple[PyTree, jax.Array, MinariSourceState]:
+        """The next batch gathered from the arrays on the device, by the epoch's order."""
+        n, size = self._length, self._batch_size
+        shuffle = self._ordering == "shuffle"
+        order = state.order
+        if shuffle:  # the epoch's permutation, drawn before anything reads the order
+            order = jax.lax.cond(
+                state.buffer_start < 0,
+                lambda: epoch_permutation(jax.random.fold_in(state.key, state.epoch), n, True),
+                lambda: order,
+            )
+        positions = state.position * size + jnp.arange(size, dtype=jnp.int32)
+        valid = positions < n
+        rows = sample_indices(order, jnp.minimum(positions, n - 1), shuffle)
+        value, step_mask = self._device.gather(rows, self._window)
+        if n % size:  # the last batch of an epoch is padded: zeros, masked
+
+            def pad(x: jax.Array) -> jax.Array:
+                return jnp.where(
+                    valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x)
+                )
+
+            value = jax.tree_util.tree_map(pad, value)
+            step_mask = step_mask & (valid if self._window is None else valid[:, None])
+        position = state.position + 1
+        epoch_ends = position >= self._steps_per_epoch
+        new_state = state.replace(
+            position=jnp.where(epoch_ends, 0, position).astype(jnp.int32),
+            epoch=state.epoch + epoch_ends.astype(jnp.int32),
+            order=order,
+            buffer_start=jnp.where(epoch_ends, -1, 0).astype(jnp.int32),
+        )
+        return value, step_mask, new_state
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

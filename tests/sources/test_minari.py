@@ -42,7 +42,13 @@ def run(source, state, calls):
 
 @pytest.mark.parametrize(
     "options",
-    [dict(), dict(ordering="sequential"), dict(chunk_steps=20), dict(prefetch=1)],
+    [
+        dict(),
+        dict(ordering="sequential"),
+        dict(chunk_steps=20),
+        dict(chunk_steps=20, ordering="sequential"),
+        dict(chunk_steps=1000, prefetch=1),  # one chunk, read through the host callback
+    ],
 )
 def test_every_epoch_visits_every_transition_once(cartpole, options):
     dataset, steps = cartpole
@@ -62,8 +68,11 @@ def test_every_epoch_visits_every_transition_once(cartpole, options):
             for obs, action in zip(value["observation"][mask], value["action"][mask]):
                 seen[key_of(obs, action)] += 1
         assert seen == expected  # every transition once, nothing else
-        last_mask = out[-1][1]
+        last, last_mask = out[-1]
         assert last_mask.sum() == n - 7 * (source.steps_per_epoch - 1)  # padding masked
+        for leaf, spec in zip(jax.tree.leaves(last), jax.tree.leaves(source.element_spec())):
+            assert leaf.shape == spec.shape and leaf.dtype == spec.dtype
+            assert not leaf[~last_mask].any()  # padding rows hold zeros
         orders.append(np.concatenate([v["reward"] * 0 + v["observation"][:, 0] for v, _ in out]))
     if source._ordering == "shuffle":
         assert not np.array_equal(orders[0], orders[1])  # a new order every epoch
@@ -89,9 +98,12 @@ def test_values_are_the_env_steps_in_order(cartpole):
     assert spec["observation"].shape == (5, 4) and spec["terminated"].dtype == np.bool_
 
 
-def test_windows_follow_the_sequence_mask_rule(cartpole):
+@pytest.mark.parametrize("chunk_steps", [None, 25])
+def test_windows_follow_the_sequence_mask_rule(cartpole, chunk_steps):
     dataset, steps = cartpole
-    source = MinariSource(dataset, batch_size=6, ordering="sequential", window=4, chunk_steps=25)
+    source = MinariSource(
+        dataset, batch_size=6, ordering="sequential", window=4, chunk_steps=chunk_steps
+    )
     out, _ = run(source, source.init_state(jax.random.key(0)), source.steps_per_epoch)
     episode = np.array([s["episode"] for s in steps])
     start = 0
@@ -134,6 +146,47 @@ def test_an_epoch_runs_inside_a_jitted_scan_without_retracing(cartpole):
         assert float(total) == sum(s["reward"] for s in steps)
     assert len(traces) == 1 and int(state.epoch) == 2
     assert isinstance(state, MinariSourceState)
+
+
+def test_windows_are_shuffled_by_the_key(cartpole):
+    dataset, steps = cartpole
+    source = MinariSource(dataset, batch_size=6, window=3)
+    sequential = MinariSource(dataset, batch_size=len(steps), window=3, ordering="sequential")
+    every, every_mask, _ = sequential.next(sequential.init_state(jax.random.key(0)))
+    by_start = {
+        key_of(o[0], a[0]): (o, m)
+        for o, a, m in zip(
+            np.asarray(every["observation"]), np.asarray(every["action"]), np.asarray(every_mask)
+        )
+    }
+    orders = []
+    for key in (3, 3, 4):
+        out, _ = run(source, source.init_state(jax.random.key(key)), source.steps_per_epoch)
+        starts = []
+        for value, mask in out:
+            for obs, action, m in zip(value["observation"], value["action"], mask):
+                if not m[0]:  # padding row
+                    assert not m.any()
+                    continue
+                want_obs, want_mask = by_start[key_of(obs[0], action[0])]
+                np.testing.assert_array_equal(obs, want_obs)  # the window of its start
+                np.testing.assert_array_equal(m, want_mask)
+                starts.append(key_of(obs[0], action[0]))
+        assert sorted(starts) == sorted(by_start)  # every start once
+        orders.append(starts)
+    assert orders[0] == orders[1] and orders[0] != orders[2]  # the key decides the order
+
+
+def test_in_memory_data_never_leave_the_compiled_loop(cartpole):
+    dataset, _ = cartpole
+    in_memory = MinariSource(dataset, batch_size=8)
+    chunked = MinariSource(dataset, batch_size=8, chunk_steps=30)
+    for source, callbacks in ((in_memory, 0), (chunked, 1)):
+        state = source.init_state(jax.random.key(0))
+        text = str(jax.make_jaxpr(source.next)(state))
+        assert text.count("io_callback") == callbacks
+    with pytest.raises(ValueError, match="another source"):
+        in_memory.next(chunked.init_state(jax.random.key(0)))
 
 
 def test_dict_observations_and_box_actions(root):
