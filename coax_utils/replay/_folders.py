@@ -245,31 +245,41 @@ class _Leaf:
         """The array, mapped (``mmap_mode`` "c" or "r") or read into memory (None), every
         chunk checked against its checksum (ValueError if one fails).
 
-        A read into memory maps one chunk of the file at a time and copies it while it
-        hashes it, in one pass (cheaper than a read() and a hash: the kernel copies
-        nothing); a leaf truncated by another program during that pass raises SIGBUS
-        (saves never truncate a leaf: they replace the folder)."""
-        mapped = mmap_mode is not None and self.nbytes > 0
+        A read into memory maps the file and copies each chunk while it hashes it, in one
+        pass (cheaper than a read() and a hash: the kernel copies nothing), then drops the
+        chunk's pages from the mapping, and unmaps the file before it returns; a leaf
+        truncated by another program during that pass raises SIGBUS (saves never truncate
+        a leaf: they replace the folder)."""
+        if self.nbytes == 0:
+            return np.empty(self.shape, self.dtype)
+        mapped = mmap_mode is not None
         if mapped:
             with open(self.fd, "rb", closefd=False) as f:
                 arr = np.memmap(f, self.dtype, mmap_mode, self.start, tuple(self.shape))
+            source, data = None, _bytes_of(arr)
         else:
             arr = np.empty(self.shape, self.dtype)
-        data = _bytes_of(arr)
+            source = mmap.mmap(self.fd, self.start + self.nbytes, prot=mmap.PROT_READ)
+            data = np.frombuffer(source, np.uint8, self.nbytes, self.start)
+        out = _bytes_of(arr)
+        page = mmap.PAGESIZE
 
         def checksum(lo: int) -> int:
             hi = min(lo + self.chunk, self.nbytes)
             if mapped:
                 return _xxh64(data[lo:hi])
-            first = (self.start + lo) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-            skip = self.start + lo - first
-            source = mmap.mmap(self.fd, skip + hi - lo, prot=mmap.PROT_READ, offset=first)
             try:
-                return _xxh64(np.frombuffer(source, np.uint8, hi - lo, skip), data[lo:hi])
-            finally:
-                source.close()
+                return _xxh64(data[lo:hi], out[lo:hi])
+            finally:  # the pages leave this process (not the page cache): no RSS of 2x
+                first, last = (self.start + lo) // page * page, (self.start + hi) // page * page
+                source.madvise(mmap.MADV_DONTNEED, first, max(0, last - first))
 
-        sums = _chunk_checksums(self.nbytes, self.chunk, pool, checksum)
+        try:
+            sums = _chunk_checksums(self.nbytes, self.chunk, pool, checksum)
+        finally:
+            if source is not None:
+                del data  # the last view of the mapping: it may be closed
+                source.close()
         for k, (got, want) in enumerate(zip(sums, self.checksums)):
             if got != want:
                 lo = self.start + k * self.chunk
