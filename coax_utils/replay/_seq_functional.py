@@ -75,6 +75,9 @@ class SequenceBufferState:
         ``period > length``).
     chain_first : bool Array, shape ``(num_envs,)``
         Whether each chain's current window starts its episode.
+    chain_start : int32 Array, shape ``(num_envs,)``
+        Where each chain's current window starts in its row of ``pending`` (a ring of
+        ``length`` steps: step ``t`` of the window lies at ``(chain_start + t) % length``).
     pos, size, laps : int32 Array
         The write head, the number of stored windows and the laps of the write head (the
         slot versions follow, as in :class:`PrioritizedBufferState`).
@@ -92,6 +95,7 @@ class SequenceBufferState:
     pending_core: Any
     chain_n: jax.Array
     chain_first: jax.Array
+    chain_start: jax.Array
     pos: jax.Array
     size: jax.Array
     laps: jax.Array
@@ -119,6 +123,7 @@ class PrioritizedSequenceBufferState:
     pending_core: Any
     chain_n: jax.Array
     chain_first: jax.Array
+    chain_start: jax.Array
     pos: jax.Array
     size: jax.Array
     laps: jax.Array
@@ -236,6 +241,7 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
             pending_core=jax.tree_util.tree_map(alloc((E, L)), example_core_state),
             chain_n=jnp.zeros((E,), jnp.int32),
             chain_first=jnp.ones((E,), jnp.bool_),
+            chain_start=jnp.zeros((E,), jnp.int32),
             pos=jnp.zeros([], jnp.int32),
             size=jnp.zeros([], jnp.int32),
             laps=jnp.zeros([], jnp.int32),
@@ -275,8 +281,8 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
 
     def add_traced(state: Any, steps: Any, core: Any, term: Any, trunc: Any, act: Any) -> Any:
         envs = jnp.arange(E)
-        n = state.chain_n
-        at = jnp.where(act & (n >= 0), n, L)  # L: out of range, dropped
+        n, start = state.chain_n, state.chain_start
+        at = jnp.where(act & (n >= 0), (start + n) % L, L)  # L: out of range, dropped
 
         def put(p: jax.Array, x: jax.Array) -> jax.Array:
             return p.at[envs, at].set(x, mode="drop")
@@ -297,13 +303,18 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
 
         def store_windows(storage: tuple) -> tuple:
             steps, core = storage
+            order = (start[:, None] + jnp.arange(L, dtype=jnp.int32)) % L  # the ring in order
+
+            def window(p: jax.Array) -> jax.Array:
+                return jnp.take_along_axis(p, order.reshape(order.shape + (1,) * (p.ndim - 2)), 1)
+
+            first_core = jax.tree_util.tree_map(lambda p: p[envs, start], pending_core)
             return (
-                jax.tree_util.tree_map(store, steps, pending),
-                jax.tree_util.tree_map(lambda s, p: store(s, p[:, 0]), core, pending_core),
+                jax.tree_util.tree_map(lambda s, p: store(s, window(p)), steps, pending),
+                jax.tree_util.tree_map(store, core, first_core),
             )
 
-        # most steps write no window: skip the scatters of whole windows then (only the
-        # storage goes through the cond: small arrays passed through it were copied)
+        # most steps write no window: skip the scatters of whole windows then
         steps, core = jax.lax.cond(num > 0, store_windows, lambda x: x, (state.steps, state.core))
         new = state.replace(
             steps=steps,
@@ -321,25 +332,16 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
             size=jnp.minimum(state.size + num, C),
             laps=jnp.where(state.pos + num >= C, state.laps % VERSION_MAX + 1, state.laps),
         )
-        if P < L:
-
-            def shift(pending: Any) -> Any:
-                def one(p: jax.Array) -> jax.Array:
-                    moved = jnp.roll(p, -P, axis=1)
-                    return jnp.where(full.reshape((E,) + (1,) * (p.ndim - 1)), moved, p)
-
-                return jax.tree_util.tree_map(one, pending)
-
-            pending, pending_core = jax.lax.cond(
-                jnp.any(full), shift, lambda p: p, (pending, pending_core)
-            )
+        # after a full window the next one starts P steps later: no step moves in the ring
         n = jnp.where(full, L - P, n)
+        start = jnp.where(full, (start + P) % L, start)
         first = state.chain_first & ~full
         return new.replace(
             pending=pending,
             pending_core=pending_core,
             chain_n=jnp.where(ended, 0, n).astype(jnp.int32),
             chain_first=first | ended,
+            chain_start=jnp.where(ended, 0, start).astype(jnp.int32),
         )
 
     def reset_chains(state: Any, mask: Any = None) -> Any:
@@ -347,6 +349,7 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
         return state.replace(
             chain_n=jnp.where(mask, 0, state.chain_n).astype(jnp.int32),
             chain_first=state.chain_first | mask,
+            chain_start=jnp.where(mask, 0, state.chain_start).astype(jnp.int32),
         )
 
     def gather(state: Any, slots: jax.Array, weights: jax.Array, versions: Any) -> Any:

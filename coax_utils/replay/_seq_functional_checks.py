@@ -14,8 +14,9 @@ axes). With ``C`` the capacity (the length of ``seq_len``), ``E`` the sub-envs (
 - ``seq_len`` int32, ``seq_end`` int8, ``seq_first`` bool, all ``(C,)``: filled slots hold
   1 to ``L`` valid steps (fewer only at an episode end: ``seq_end`` 1 or 2), end kinds in
   ``{0, 1, 2}``; empty slots hold 0, 0, False;
-- ``chain_n`` int32 and ``chain_first`` bool, ``(E,)``: ``chain_n < L``, and ``>= 0`` for a
-  chain at its episode's first window;
+- ``chain_n`` int32, ``chain_first`` bool and ``chain_start`` int32, ``(E,)``:
+  ``chain_n < L``, and ``>= 0`` for a chain at its episode's first window; ``chain_start``
+  in ``[0, L)``;
 - the leaves of ``steps`` are ``(C, L, ...)``, those of ``pending`` have the structure of
   ``steps`` and are ``(E, L, ...)`` with the same dtypes and per-step shapes; ``core``
   ``(C, ...)`` and ``pending_core`` ``(E, L, ...)`` likewise;
@@ -96,6 +97,7 @@ def check_restored_sequence_state(state: Any, prioritized: bool) -> None:
     E = chain_n.shape[0]
     n = _array(chain_n, "chain_n", np.int32)
     first = _array(state.chain_first, "chain_first", np.bool_, (E,))
+    start = _array(state.chain_start, "chain_start", np.int32, (E,))
     _pair(state.steps, state.pending, 2, 2, "steps and pending", ((C, L), (E, L)))
     _pair(state.core, state.pending_core, 1, 2, "core and pending_core", ((C,), (E, L)))
     filled = np.arange(C) < size
@@ -109,8 +111,10 @@ def check_restored_sequence_state(state: Any, prioritized: bool) -> None:
             f"stored windows must have 1 to {L} valid steps (fewer only at an episode end), "
             "end kinds 0, 1 or 2, and empty slots all 0"
         )
-    if np.any(n >= L) or np.any(first & (n < 0)):
-        raise ValueError(f"chain_n must be < {L}, and >= 0 at an episode's first window")
+    if np.any(n >= L) or np.any(first & (n < 0)) or np.any((start < 0) | (start >= L)):
+        raise ValueError(
+            f"chain_n must be < {L}, and >= 0 at an episode's first window; chain_start in [0, {L})"
+        )
     if not prioritized:
         return
     tree = state.tree

@@ -160,6 +160,7 @@ def test_jitted_add_does_not_retrace_and_checkpoints_continue():
         state.replace(seq_len=state.seq_len.at[0].set(9)),
         state.replace(pos=state.pos + 1, size=state.size - 1),
         state.replace(chain_n=state.chain_n.at[0].set(4)),
+        state.replace(chain_start=state.chain_start.at[1].set(4)),
         state.replace(seq_end=state.seq_end.at[0].set(3)),
         state.replace(max_mix=jnp.float32(0.5)),
     ]
