@@ -18,11 +18,9 @@ from coax_utils.sources._base import (
     PyTree,
     check_ordering,
     check_positive_int,
-    epoch_permutation,
-    sample_indices,
 )
 
-__all__ = ["MinariSource", "MinariSourceState"]
+__all__ = ["MinariSource", "MinariSourceState", "permuted"]
 
 
 @pytree_dataclass
@@ -37,26 +35,55 @@ class MinariSourceState:
         int32 scalar: number of completed epochs.
     position : jax.Array
         int32 scalar: how many batches of the current epoch have been emitted.
-    order : jax.Array
-        Data in memory, shuffled: int32 array of shape ``(transitions,)``, the transitions
-        in the current epoch's order (drawn by the epoch's first ``next``). Empty otherwise.
     buffer : pytree of jax.Array
         With ``chunk_steps``: the prefetched batches (leading axis ``prefetch``). Data in
         memory: empty (leading axis 0).
     buffer_mask : jax.Array
         Their masks.
     buffer_start : jax.Array
-        int32 scalar: the batch position of ``buffer[0]`` (data in memory: 0); -1 when the
-        state holds nothing of the current epoch (neither batches nor the epoch's order).
+        int32 scalar: the batch position of ``buffer[0]``; -1 when the buffer holds nothing
+        of the current epoch (always, for data in memory).
     """
 
     key: jax.Array
     epoch: jax.Array
     position: jax.Array
-    order: jax.Array
     buffer: PyTree
     buffer_mask: jax.Array
     buffer_start: jax.Array
+
+
+_ROUNDS = 4  # of the Feistel network of :func:`permuted`
+
+
+def permuted(key: jax.Array, positions: jax.Array, n: int) -> jax.Array:
+    """The images of ``positions`` (int32, in ``[0, n)``) under a pseudo-random permutation
+    of ``[0, n)`` drawn from ``key``: each position computed on its own, in O(1).
+
+    Holding an epoch's permutation in a loop's state instead costs a copy of all of it on
+    every step on XLA:CPU (a conditional that redraws it at the epoch's start cannot update
+    it in place). Here a 4-round balanced Feistel network, whose round keys are drawn from
+    ``key``, permutes the ``2 ** bits`` values of the smallest even ``bits`` that covers
+    ``n`` (fewer than ``4 n``), and cycle-walking maps the images at or beyond ``n`` back
+    into ``[0, n)`` (a walk ends: the cycle of a position holds that position).
+    """
+    bits = max(2, (n - 1).bit_length())
+    half = (bits + bits % 2) // 2
+    low = jnp.uint32((1 << half) - 1)
+    keys = jax.random.bits(key, (_ROUNDS,), jnp.uint32)
+
+    def feistel(x: jax.Array) -> jax.Array:
+        left, right = x >> half, x & low
+        for r in range(_ROUNDS):
+            h = (right ^ keys[r]) * jnp.uint32(0x9E3779B1)  # a murmur-style mix
+            h = (h ^ (h >> 15)) * jnp.uint32(0x85EBCA6B)
+            h = h ^ (h >> 13)
+            left, right = right, (left ^ h) & low
+        return (left << half) | right
+
+    x = feistel(positions.astype(jnp.uint32))
+    x = jax.lax.while_loop(lambda x: jnp.any(x >= n), lambda x: jnp.where(x >= n, feistel(x), x), x)
+    return x.astype(jnp.int32)
 
 
 class _Chunk:
@@ -134,9 +161,10 @@ class MinariSource(CompiledNext):
 
     Without ``chunk_steps`` (data that fit in memory), the whole selection is read once, at
     construction, into arrays on the default device, and :meth:`next` gathers each batch
-    there in compiled code (a take by the epoch's permutation, as
-    :class:`~coax_utils.sources.ArraySource` does): a :func:`jax.lax.scan` over an epoch never
-    leaves XLA and never waits on the host. Each epoch is shuffled as one.
+    there in compiled code (a take by the epoch's permutation, whose entries for the batch
+    are computed from the key and the epoch, so the state holds no order of its own): a
+    :func:`jax.lax.scan` over an epoch never leaves XLA and never waits on the host. Each
+    epoch is shuffled as one.
 
     Data larger than memory: with ``chunk_steps`` the episodes are grouped into chunks of
     consecutive episodes of about that many transitions, and only the chunks a prefetch
@@ -158,7 +186,8 @@ class MinariSource(CompiledNext):
     ordering : {"shuffle", "sequential"}
         ``"shuffle"``: a new order every epoch, a function of the state's key and the epoch
         number (the same key gives the same orders; in memory a
-        :func:`jax.random.permutation` of ``fold_in(key, epoch)``, with ``chunk_steps``
+        pseudo-random permutation drawn from ``fold_in(key, epoch)``, each batch's part
+        computed when it is gathered; with ``chunk_steps``
         drawn on the host by NumPy from the key's bits and the epoch);
         ``"sequential"``: the episodes' order.
     window : int, optional
@@ -274,8 +303,6 @@ class MinariSource(CompiledNext):
             jax.ShapeDtypeStruct((held, *s.shape), s.dtype) for s in self._spec_leaves
         ]
         self._mask_spec = jax.ShapeDtypeStruct((held, *lead), np.dtype(np.bool_))
-        shuffled_in_memory = self._device is not None and self._ordering == "shuffle"
-        self._order_length = self._length if shuffled_in_memory else 0
         self._epoch_order: tuple = (None, None)  # (key bits and epoch, order), on the host
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._ahead: tuple = (None, None)  # (what, future) of the refill prepared ahead
@@ -405,7 +432,6 @@ class MinariSource(CompiledNext):
             key=key,
             epoch=jnp.zeros([], jnp.int32),
             position=jnp.zeros([], jnp.int32),
-            order=jnp.zeros(self._order_length, jnp.int32),  # drawn by the first next
             buffer=jax.tree_util.tree_unflatten(
                 self._treedef, [jnp.zeros(s.shape, s.dtype) for s in self._fetch_leaves]
             ),
@@ -454,8 +480,6 @@ class MinariSource(CompiledNext):
             tuple(s.shape) for s in self._fetch_leaves
         ]:
             raise ValueError(f"{self!r}.next got the state of another source (its buffer)")
-        if tuple(np.shape(state.order)) != (self._order_length,):
-            raise ValueError(f"{self!r}.next got the state of another source (its order)")
         if self._device is not None:
             return self._next_in_memory(state)
         stale = jnp.logical_or(
@@ -480,17 +504,11 @@ class MinariSource(CompiledNext):
     ) -> tuple[PyTree, jax.Array, MinariSourceState]:
         """The next batch gathered from the arrays on the device, by the epoch's order."""
         n, size = self._length, self._batch_size
-        shuffle = self._ordering == "shuffle"
-        order = state.order
-        if shuffle:  # the epoch's permutation, drawn before anything reads the order
-            order = jax.lax.cond(
-                state.buffer_start < 0,
-                lambda: epoch_permutation(jax.random.fold_in(state.key, state.epoch), n, True),
-                lambda: order,
-            )
         positions = state.position * size + jnp.arange(size, dtype=jnp.int32)
         valid = positions < n
-        rows = sample_indices(order, jnp.minimum(positions, n - 1), shuffle)
+        rows = jnp.minimum(positions, n - 1)
+        if self._ordering == "shuffle":
+            rows = permuted(jax.random.fold_in(state.key, state.epoch), rows, n)
         value, step_mask = self._device.gather(rows, self._window)
         if n % size:  # the last batch of an epoch is padded: zeros, masked
 
@@ -506,8 +524,6 @@ class MinariSource(CompiledNext):
         new_state = state.replace(
             position=jnp.where(epoch_ends, 0, position).astype(jnp.int32),
             epoch=state.epoch + epoch_ends.astype(jnp.int32),
-            order=order,
-            buffer_start=jnp.where(epoch_ends, -1, 0).astype(jnp.int32),
         )
         return value, step_mask, new_state
 

@@ -12,6 +12,7 @@ import pytest
 from minari.data_collector import EpisodeBuffer
 
 from coax_utils.sources import MinariSource, MinariSourceState, Source
+from coax_utils.sources._minari import permuted
 from tests.minari_data import DictObservation, collect
 
 
@@ -175,6 +176,23 @@ def test_windows_are_shuffled_by_the_key(cartpole):
         assert sorted(starts) == sorted(by_start)  # every start once
         orders.append(starts)
     assert orders[0] == orders[1] and orders[0] != orders[2]  # the key decides the order
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 1000, 4097])
+def test_the_epoch_permutation_is_a_well_mixed_bijection(n):
+    draw = jax.jit(permuted, static_argnums=2)
+    positions = jnp.arange(n, dtype=jnp.int32)
+    first = np.asarray(draw(jax.random.key(0), positions, n))
+    assert first.dtype == np.int32 and sorted(first.tolist()) == list(range(n))
+    again = np.asarray(draw(jax.random.key(0), positions, n))
+    other = np.asarray(draw(jax.random.key(1), positions, n))
+    np.testing.assert_array_equal(first, again)  # a function of the key
+    if n >= 64:
+        assert not np.array_equal(first, other)
+        # a uniform permutation moves an item n / 3 on average, and keeps no trend
+        assert abs(np.abs(first - np.arange(n)).mean() / n - 1 / 3) < 0.05
+        assert abs(np.corrcoef(first, np.arange(n))[0, 1]) < 0.2
+        assert abs(np.corrcoef(first, other)[0, 1]) < 0.2
 
 
 def test_in_memory_data_never_leave_the_compiled_loop(cartpole):
