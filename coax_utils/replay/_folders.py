@@ -256,12 +256,12 @@ class _Leaf:
         if mapped:
             with open(self.fd, "rb", closefd=False) as f:
                 arr = np.memmap(f, self.dtype, mmap_mode, self.start, tuple(self.shape))
-            source, data = None, _bytes_of(arr)
+            source, data, out = None, _bytes_of(arr), None
         else:
             arr = np.empty(self.shape, self.dtype)
             source = mmap.mmap(self.fd, self.start + self.nbytes, prot=mmap.PROT_READ)
             data = np.frombuffer(source, np.uint8, self.nbytes, self.start)
-        out = _bytes_of(arr)
+            out = _bytes_of(arr)
         page = mmap.PAGESIZE
 
         def checksum(lo: int) -> int:
