@@ -8,9 +8,8 @@ while it was read.
 
 Every leaf carries checksums, computed while it is written and recorded in ``meta.lz4``: the
 XXH64 (:mod:`._xxh64`) of its ``.npy`` header and of each consecutive chunk of its array data
-(``chunk_bytes``, recorded too; saves use 8 MiB). The chunks are written, or copied from a
-mapping of the file, and hashed by a few threads at once, each copy in the same pass as its
-hash, so the checksums cost little next to the file's bytes.
+(``chunk_bytes``, recorded too; saves use 8 MiB). The chunks are written, or read, and hashed by
+a few threads at once, so the checksums cost little next to the file's bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import contextlib
 import io
 import itertools
 import math
-import mmap
 import os
 import re
 from typing import Any
@@ -43,10 +41,10 @@ _MAX_THREADS = 4
 _ATTEMPTS = 100  # loads started again because concurrent saves replaced the folder
 
 
-def _xxh64(data: np.ndarray, out: np.ndarray | None = None) -> int:
+def _xxh64(data: np.ndarray) -> int:
     from coax_utils.replay._xxh64 import xxh64  # numba: compiled or loaded on first use
 
-    return xxh64(data, out)
+    return xxh64(data)
 
 
 def _threads() -> int:
@@ -245,41 +243,25 @@ class _Leaf:
         """The array, mapped (``mmap_mode`` "c" or "r") or read into memory (None), every
         chunk checked against its checksum (ValueError if one fails).
 
-        A read into memory maps the file and copies each chunk while it hashes it, in one
-        pass (cheaper than a read() and a hash: the kernel copies nothing), then drops the
-        chunk's pages from the mapping, and unmaps the file before it returns; a leaf
-        truncated by another program during that pass raises SIGBUS (saves never truncate
-        a leaf: they replace the folder)."""
+        A read into memory reads each chunk straight into the new array and hashes it there,
+        a few chunks at once on the threads of ``pool``; a leaf that another program
+        shortens meanwhile is a ValueError, like any other change."""
         if self.nbytes == 0:
             return np.empty(self.shape, self.dtype)
-        mapped = mmap_mode is not None
-        if mapped:
+        if mmap_mode is None:
+            arr = np.empty(self.shape, self.dtype)
+        else:
             with open(self.fd, "rb", closefd=False) as f:
                 arr = np.memmap(f, self.dtype, mmap_mode, self.start, tuple(self.shape))
-            source, data, out = None, _bytes_of(arr), None
-        else:
-            arr = np.empty(self.shape, self.dtype)
-            source = mmap.mmap(self.fd, self.start + self.nbytes, prot=mmap.PROT_READ)
-            data = np.frombuffer(source, np.uint8, self.nbytes, self.start)
-            out = _bytes_of(arr)
-        page = mmap.PAGESIZE
+        data = _bytes_of(arr)
 
         def checksum(lo: int) -> int:
             hi = min(lo + self.chunk, self.nbytes)
-            if mapped:
-                return _xxh64(data[lo:hi])
-            try:
-                return _xxh64(data[lo:hi], out[lo:hi])
-            finally:  # the pages leave this process (not the page cache): no RSS of 2x
-                first, last = (self.start + lo) // page * page, (self.start + hi) // page * page
-                source.madvise(mmap.MADV_DONTNEED, first, max(0, last - first))
+            if mmap_mode is None:
+                _read_exactly(self.fd, data[lo:hi], self.start + lo)
+            return _xxh64(data[lo:hi])
 
-        try:
-            sums = _chunk_checksums(self.nbytes, self.chunk, pool, checksum)
-        finally:
-            if source is not None:
-                del data  # the last view of the mapping: it may be closed
-                source.close()
+        sums = _chunk_checksums(self.nbytes, self.chunk, pool, checksum)
         for k, (got, want) in enumerate(zip(sums, self.checksums)):
             if got != want:
                 lo = self.start + k * self.chunk

@@ -40,30 +40,21 @@ def _merge(h, v):
 
 
 @numba.njit(cache=True, nogil=True)
-def _xxh64(data, words, out_data, out_words):
-    # data: the input bytes (uint8); words: its first len(data) // 8 bytes as uint64. The
-    # bytes are copied to out_data (the same as out_words) while they are hashed, unless it
-    # is empty: one pass over the bytes instead of two.
+def _xxh64(data, words):
+    # data: the input bytes (uint8); words: its first len(data) // 8 bytes as uint64
     n, stripes = data.size, data.size // 32
-    copy = out_data.size > 0
     if n >= 32:
         v1, v2 = _P1 + _P2, _P2
         v3, v4 = np.uint64(0), np.uint64(0) - _P1
         for s in range(stripes):
-            w1, w2, w3, w4 = words[4 * s], words[4 * s + 1], words[4 * s + 2], words[4 * s + 3]
-            if copy:
-                out_words[4 * s], out_words[4 * s + 1] = w1, w2
-                out_words[4 * s + 2], out_words[4 * s + 3] = w3, w4
-            v1 = _round(v1, w1)
-            v2 = _round(v2, w2)
-            v3 = _round(v3, w3)
-            v4 = _round(v4, w4)
+            v1 = _round(v1, words[4 * s])
+            v2 = _round(v2, words[4 * s + 1])
+            v3 = _round(v3, words[4 * s + 2])
+            v4 = _round(v4, words[4 * s + 3])
         h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
         h = _merge(_merge(_merge(_merge(h, v1), v2), v3), v4)
     else:
         h = _P5
-    if copy:
-        out_data[32 * stripes :] = data[32 * stripes :]
     h += np.uint64(n)
     i = 4 * stripes  # words consumed
     while i < n // 8:
@@ -87,24 +78,10 @@ def _xxh64(data, words, out_data, out_words):
     return h
 
 
-def _words(data: np.ndarray) -> np.ndarray:
-    return data[: data.size // 8 * 8].view(np.uint64)
-
-
-def _checked(data: np.ndarray, name: str) -> np.ndarray:
+def xxh64(data: np.ndarray) -> int:
+    """The XXH64 (seed 0) of the bytes of ``data``, a contiguous one-dimensional uint8 array
+    (the GIL is released while it runs)."""
     data = np.asarray(data)
     if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
-        raise TypeError(f"{name} must be a contiguous one-dimensional uint8 array")
-    return data
-
-
-def xxh64(data: np.ndarray, out: np.ndarray | None = None) -> int:
-    """The XXH64 (seed 0) of the bytes of ``data``, a contiguous uint8 array (the GIL is
-    released); with ``out``, an array like ``data``, the bytes are copied to it too, in the
-    same pass (cheaper than a copy and a hash)."""
-    data = _checked(data, "data")
-    if out is None:
-        out = np.zeros(0, np.uint8)
-    elif _checked(out, "out").size != data.size:
-        raise ValueError(f"out holds {out.size} bytes, data {data.size}")
-    return int(_xxh64(data, _words(data), out, _words(out)))
+        raise TypeError("data must be a contiguous one-dimensional uint8 array")
+    return int(_xxh64(data, data[: data.size // 8 * 8].view(np.uint64)))
