@@ -99,18 +99,14 @@ class _Chunk:
         self.rewards = np.concatenate([ep.rewards for ep in episodes])
         self.terminated = np.concatenate([ep.terminations for ep in episodes])
         self.truncated = np.concatenate([ep.truncations for ep in episodes])
-        lengths = np.array([len(ep.rewards) for ep in episodes])
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        episode = np.repeat(np.arange(len(episodes)), lengths)
-        # the row of S_t among the observations (each episode has one row more), the last
-        # transition of its episode
-        self.obs_row = np.arange(len(episode)) + episode
-        self.last = np.repeat(starts + lengths - 1, lengths)
+        # the last transition of each episode (a small table: looked up by binary search,
+        # it spares a random read of a per-transition array in every gather)
+        self.ends = np.cumsum([len(ep.rewards) for ep in episodes]) - 1
 
     def to_device(self) -> _Chunk:
-        """Move every array to the default device (row indices as int32)."""
+        """Move every array to the default device (episode ends as int32)."""
         for name, tree in vars(self).items():
-            if name in ("obs_row", "last"):
+            if name == "ends":
                 tree = tree.astype(np.int32)
             setattr(self, name, jax.tree_util.tree_map(jnp.asarray, tree))
         return self
@@ -122,14 +118,16 @@ class _Chunk:
         on the device.
         """
         xp = np if isinstance(rows, np.ndarray) else jnp
+        episode = xp.searchsorted(self.ends, rows)  # the episode of each row
         if window is None:  # single transitions: every step valid
             steps, mask = rows, xp.ones(rows.shape, bool)
         else:
+            episode = episode[:, None]
             steps = rows[:, None] + xp.arange(window, dtype=rows.dtype)
-            last = self.last[rows][:, None]
+            last = self.ends[episode]
             mask = steps <= last
             steps = xp.minimum(steps, last)
-        obs_rows = self.obs_row[steps]
+        obs_rows = steps + episode  # each episode has one observation more
         take = lambda tree, index: jax.tree_util.tree_map(lambda x: x[index], tree)  # noqa: E731
         value = {
             "observation": take(self.observations, obs_rows),
@@ -185,10 +183,9 @@ class MinariSource(CompiledNext):
         Transitions (or windows) per batch.
     ordering : {"shuffle", "sequential"}
         ``"shuffle"``: a new order every epoch, a function of the state's key and the epoch
-        number (the same key gives the same orders; in memory a
-        pseudo-random permutation drawn from ``fold_in(key, epoch)``, each batch's part
-        computed when it is gathered; with ``chunk_steps``
-        drawn on the host by NumPy from the key's bits and the epoch);
+        number (the same key gives the same orders; in memory a pseudo-random permutation
+        drawn from ``fold_in(key, epoch)``, each batch's part computed when it is gathered;
+        with ``chunk_steps`` drawn on the host by NumPy from the key's bits and the epoch);
         ``"sequential"``: the episodes' order.
     window : int, optional
         Emit windows of this many steps instead of single transitions.
@@ -519,6 +516,9 @@ class MinariSource(CompiledNext):
 
             value = jax.tree_util.tree_map(pad, value)
             step_mask = step_mask & (valid if self._window is None else valid[:, None])
+        # the batch materialized once: XLA would otherwise fuse the gather (random reads)
+        # into each of its consumers, and repeat it
+        value, step_mask = jax.lax.optimization_barrier((value, step_mask))
         position = state.position + 1
         epoch_ends = position >= self._steps_per_epoch
         new_state = state.replace(
