@@ -118,7 +118,9 @@ class _Chunk:
         on the device.
         """
         xp = np if isinstance(rows, np.ndarray) else jnp
-        episode = xp.searchsorted(self.ends, rows)  # the episode of each row
+        # an unrolled binary search (XLA:CPU runs a loop's steps one call at a time)
+        unrolled = {} if xp is np else {"method": "scan_unrolled"}
+        episode = xp.searchsorted(self.ends, rows, **unrolled)  # the episode of each row
         if window is None:  # single transitions: every step valid
             steps, mask = rows, xp.ones(rows.shape, bool)
         else:
