@@ -2,30 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def run_example(script: str, *args: str) -> str:
-    """Run ``examples/<script>`` in a fresh interpreter; return its stdout (must exit 0)."""
-    env = {**os.environ, "SDL_VIDEODRIVER": "dummy", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+from tests._examples import run_example
 
 
 def test_r2d2_cartpole_smoke(tmp_path):

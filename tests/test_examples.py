@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import pathlib
-import subprocess
 import sys
 
 import hypothesis.strategies as st
@@ -17,8 +15,8 @@ from hypothesis import given, settings
 
 from coax_utils import utils
 from coax_utils.replay import make_prioritized_buffer
+from tests._examples import ROOT, run_example
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
@@ -44,21 +42,6 @@ def check_returns(outdir: pathlib.Path, script: str, max_step: int) -> np.ndarra
     assert steps[0] > 0 and np.all(np.diff(steps) >= 0) and steps[-1] <= max_step, steps
     assert np.all(np.isfinite(returns))
     return returns
-
-
-def run_example(script: str, *args: str) -> str:
-    """Run ``examples/<script>`` in a fresh interpreter; return its stdout (must exit 0)."""
-    env = {**os.environ, "SDL_VIDEODRIVER": "dummy", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
 
 
 def test_dqn_cartpole_smoke(tmp_path):

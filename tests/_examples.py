@@ -1,0 +1,25 @@
+"""Running the examples in tests: each in a fresh interpreter, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_example(script: str, *args: str) -> str:
+    """Run ``examples/<script>`` in a fresh interpreter; return its stdout (must exit 0)."""
+    env = {**os.environ, "SDL_VIDEODRIVER": "dummy", "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
