@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import pathlib
-import sys
 
 import hypothesis.strategies as st
 import jax
@@ -15,19 +13,7 @@ from hypothesis import given, settings
 
 from coax_utils import utils
 from coax_utils.replay import make_prioritized_buffer
-from tests._examples import ROOT, run_example
-
-EXAMPLES = ROOT / "examples"
-
-
-def load_example_module(name: str):
-    """Import ``examples/<name>.py`` (with ``examples/`` on ``sys.path`` for ``_common``)."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests._examples import EXAMPLES, load_example_module, run_example
 
 
 def check_returns(outdir: pathlib.Path, script: str, max_step: int) -> np.ndarray:

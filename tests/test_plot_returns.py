@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import struct
@@ -12,18 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
-
-
-def load(name: str):
-    """Import ``examples/<name>.py`` (with ``examples/`` on ``sys.path`` for ``_common``)."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests._examples import EXAMPLES, ROOT
+from tests._examples import load_example_module as load
 
 
 def run_plot(*args: str) -> subprocess.CompletedProcess:
