@@ -23,8 +23,8 @@ def test_offline_bc_cartpole_smoke(tmp_path, monkeypatch):
 
 
 def test_the_offline_how_to_snippet_runs(tmp_path, monkeypatch):
-    # doc/offline.rst starts from a snippet meant to run as it is: run its first code block
-    text = (ROOT / "doc" / "offline.rst").read_text()
+    # doc/guide/offline.rst starts from a snippet meant to run as it is: run its first code block
+    text = (ROOT / "doc" / "guide" / "offline.rst").read_text()
     block = text.split(".. code-block:: python\n\n", 1)[1]
     lines = []
     for line in block.splitlines():
@@ -38,6 +38,6 @@ def test_the_offline_how_to_snippet_runs(tmp_path, monkeypatch):
     # Minari's collector leaves TemporaryDirectory objects whose finalizers warn
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
-        exec(compile(code, "doc/offline.rst", "exec"), {})
+        exec(compile(code, "doc/guide/offline.rst", "exec"), {})
         gc.collect()
     assert (tmp_path / "minari-data" / "local" / "cartpole" / "random-v0").is_dir()

@@ -8,7 +8,10 @@ import pathlib
 import pytest
 
 # pages whose code needs more than seconds to run; the tests named here run the same code
-SHOWN_ONLY = {"distributed": "a Ray cluster: tests/distributed/test_apex_example.py"}
+SHOWN_ONLY = {
+    "distributed": "a Ray cluster: tests/distributed/test_apex_example.py",
+    "offline": "a Minari dataset on disk: tests/test_example_offline.py runs its snippet",
+}
 PAGES = sorted((pathlib.Path(__file__).resolve().parents[1] / "doc" / "guide").glob("*.rst"))
 
 
