@@ -37,6 +37,7 @@ __all__ = [
     "lock_file",
     "open_regular_file",
     "remove_stale_temps",
+    "rename",
     "resolve_folder",
     "write_file",
 ]
@@ -60,6 +61,13 @@ def fsync_dir(dirname: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def rename(path: str, new_path: str) -> None:
+    """Rename ``path`` to ``new_path`` (replacing a file there) and make it durable: the
+    folder is fsynced, so after a crash the file has one of the two names, not none."""
+    os.replace(path, new_path)
+    fsync_dir(os.path.dirname(os.path.abspath(new_path)))
 
 
 def _pid_alive(pid: int) -> bool:

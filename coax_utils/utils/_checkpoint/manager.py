@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from coax_utils._checks import check_choice, check_finite_number, check_int
-from coax_utils._files import lock_file, remove_stale_temps
+from coax_utils._files import lock_file, remove_stale_temps, rename
 from coax_utils.utils._checkpoint.container import num_threads
 from coax_utils.utils._checkpoint.errors import CheckpointDamagedError
 from coax_utils.utils._checkpoint.io import dump, load
@@ -492,7 +492,7 @@ class CheckpointManager:
                 damaged, forget, reason = err, False, f"it is damaged ({err})"
                 try:
                     if quarantine:
-                        os.replace(path, path + ".corrupt")
+                        rename(path, path + ".corrupt")
                         forget, reason = True, f"{reason}; renamed to {path + '.corrupt'!r}"
                 except OSError as rename_error:  # e.g. a folder holds that name
                     reason += f"; it could not be renamed ({rename_error})"
