@@ -52,6 +52,10 @@ def _check_gamma(gamma: Any) -> float:
     return float(gamma)
 
 
+def _nstep_args(n: int, gamma: float, record_extra_info: bool = False) -> tuple:
+    return n, gamma, record_extra_info
+
+
 class _BaseTracer(abc.ABC):
     """Shared bookkeeping of the tracers: episode end, truncation and the final state."""
 
@@ -284,6 +288,10 @@ class NStep(_BaseTracer):
         Store the :math:`n+1` states, actions, rewards, dones, log-propensities and weights of
         each window in the ``extra_info`` field (tuples of length :math:`n+1`, in coax's
         layout; entries past the end of the episode repeat the last step, with done True).
+    num_envs : int, optional
+        Given, the constructor returns a :class:`VectorNStep` instead: one chain per sub-env
+        of a vector env, fed a whole vector-env step per ``add`` (arrays with a leading
+        sub-env axis), in NumPy over the sub-env axis.
 
     Examples
     --------
@@ -299,7 +307,19 @@ class NStep(_BaseTracer):
 
     _STATE_KEYS = ("n", "record_extra_info") + _BaseTracer._STATE_KEYS
 
-    def __init__(self, n: int, gamma: float, record_extra_info: bool = False) -> None:
+    def __new__(cls, *args: Any, num_envs: int | None = None, **kwargs: Any) -> Any:
+        if num_envs is None:
+            return super().__new__(cls)
+        from coax_utils.replay._vector_tracing import VectorNStep
+
+        n, gamma, record_extra_info = _nstep_args(*args, **kwargs)
+        if record_extra_info:
+            raise ValueError("record_extra_info is not offered with num_envs (VectorNStep)")
+        return VectorNStep(n, gamma, num_envs)
+
+    def __init__(
+        self, n: int, gamma: float, record_extra_info: bool = False, num_envs: None = None
+    ) -> None:
         self.gamma = _check_gamma(gamma)
         self._set_n(n, bool(record_extra_info))
         self.reset()
@@ -399,6 +419,9 @@ class MonteCarlo(_BaseTracer):
     ----------
     gamma : float
         The discount factor in :math:`[0, 1]`.
+    num_envs : int, optional
+        Given, the constructor returns a :class:`VectorMonteCarlo` instead: one chain per
+        sub-env of a vector env, fed a whole vector-env step per ``add``.
 
     Examples
     --------
@@ -412,7 +435,14 @@ class MonteCarlo(_BaseTracer):
 
     _STATE_KEYS = _BaseTracer._STATE_KEYS + ("g", "k")
 
-    def __init__(self, gamma: float) -> None:
+    def __new__(cls, *args: Any, num_envs: int | None = None, **kwargs: Any) -> Any:
+        if num_envs is None:
+            return super().__new__(cls)
+        from coax_utils.replay._vector_tracing import VectorMonteCarlo
+
+        return VectorMonteCarlo(*args, num_envs=num_envs, **kwargs)
+
+    def __init__(self, gamma: float, num_envs: None = None) -> None:
         self.gamma = _check_gamma(gamma)
         self.reset()
 
