@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import gymnasium
 import jax
 import numpy as np
-from gymnasium.vector.utils import iterate
 
 from coax_utils.replay._host import PrioritizedReplayBuffer, SimpleReplayBuffer
 from coax_utils.replay._tracing import MonteCarlo, NStep
 from coax_utils.replay._transition import TransitionBatch
+from coax_utils.replay._vector_tracing import VectorMonteCarlo, VectorNStep
 
-__all__ = ["RecordTransitions", "RecordVectorTransitions", "autoreset_mode"]
+__all__ = [
+    "RecordTransitions",
+    "RecordVectorTransitions",
+    "autoreset_mode",
+    "next_observations",
+    "vector_tracer",
+]
 
 
 def _copy_tree(x: Any) -> Any:
@@ -78,7 +83,7 @@ class RecordTransitions(gymnasium.Wrapper):
     start from.
 
     Given a gymnasium vector env, the constructor returns a :class:`RecordVectorTransitions`
-    instead (one tracer per sub-env).
+    instead (one chain per sub-env).
 
     Parameters
     ----------
@@ -166,17 +171,85 @@ def autoreset_mode(env: gymnasium.vector.VectorEnv) -> str:
     return mode
 
 
+def next_observations(
+    obs: Any, terminated: Any, truncated: Any, info: dict, mode: str
+) -> tuple[Any, bool]:
+    """The observations a vector env's step led to, as a NumPy copy of ``obs``, and whether
+    the env reset its ended sub-envs within this same step.
+
+    At an episode end a same-step autoreset env returns the first observation of the next
+    episode; the one the step led to is its *final* observation: gymnax's
+    ``GymnaxToVectorGymWrapper`` gives every sub-env's, batched, in
+    ``info["final_observation"]`` (which then replaces ``obs`` whole), gymnasium's
+    ``SAME_STEP`` vector envs those of the ended sub-envs in ``info["final_obs"]`` (a loop
+    over the ended sub-envs only). ``mode`` is the env's :func:`autoreset_mode`.
+    """
+    if isinstance(info, dict) and "final_observation" in info:
+        return _copy_tree(info["final_observation"]), True
+    next_obs = _copy_tree(obs)
+    if mode != "SameStep":
+        return next_obs, False
+    leaves = jax.tree_util.tree_leaves(next_obs)
+    for i in np.flatnonzero(np.logical_or(terminated, truncated)):
+        for x, v in zip(leaves, jax.tree_util.tree_leaves(info["final_obs"][i])):
+            x[i] = v
+    return next_obs, True
+
+
+def vector_tracer(tracer: Any, num_envs: int) -> Any:
+    """The vector tracer for ``num_envs`` sub-envs with the settings of ``tracer``: an
+    :class:`NStep` or :class:`MonteCarlo` template (default ``NStep(n=1, gamma=1.0)``), or a
+    :class:`VectorNStep` or :class:`VectorMonteCarlo` for ``num_envs`` sub-envs, used as is
+    (emptied)."""
+    if tracer is None:
+        tracer = NStep(n=1, gamma=1.0)
+    if isinstance(tracer, (VectorNStep, VectorMonteCarlo)):
+        if tracer.num_envs != num_envs:
+            raise ValueError(
+                f"the tracer has num_envs={tracer.num_envs}, the env {num_envs} sub-envs"
+            )
+        tracer.reset()
+        return tracer
+    if isinstance(tracer, NStep):
+        if tracer.record_extra_info:
+            raise ValueError("record_extra_info is not offered for vector envs")
+        return VectorNStep(tracer.n, tracer.gamma, num_envs)
+    if isinstance(tracer, MonteCarlo):
+        return VectorMonteCarlo(tracer.gamma, num_envs)
+    raise TypeError(
+        f"a vector env needs an NStep or MonteCarlo tracer (or their vector forms), got {tracer!r}"
+    )
+
+
+def _add_vector_rows(tracer: Any, buffer: Any, ended: np.ndarray) -> int:
+    """Add every row ``tracer`` can pop to ``buffer`` in one call (host buffers also get the
+    ``episode_end`` marks: the last row of each sub-env whose episode ``ended``)."""
+    if not tracer:
+        return 0
+    batch, envs = tracer.pop(return_envs=True)
+    if isinstance(buffer, (SimpleReplayBuffer, PrioritizedReplayBuffer)):
+        last = np.append(envs[1:] != envs[:-1], True)
+        buffer.add(batch, episode_end=last & ended[envs])
+    else:
+        buffer.add(batch)
+    return len(envs)
+
+
 class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
     r"""Record every transition of a gymnasium vector env into a replay buffer.
 
-    Like :class:`RecordTransitions` (which returns this class for vector envs), with one copy
-    of the tracer per sub-env. All three autoreset modes of gymnasium's vector envs (1.1 and
-    newer; before, they all reset on the next step) are
-    supported: with ``NEXT_STEP`` (the default) the reset step that follows an episode end is
-    not recorded, with ``SAME_STEP`` the final observation is read from
-    ``info["final_obs"]``, and with ``DISABLED`` a masked ``reset`` restarts the tracers of
-    the reset sub-envs. Transitions of the sub-envs are added interleaved, as they become
-    available; use one buffer per sub-env if episodes must be stored contiguously (for
+    Like :class:`RecordTransitions` (which returns this class for vector envs), with one
+    chain per sub-env in one vector tracer (:class:`VectorNStep` or
+    :class:`VectorMonteCarlo`): each :meth:`step` is one ``add`` of all sub-envs and at most
+    one ``pop`` and one ``buffer.add``. All three autoreset modes of gymnasium's vector envs
+    (1.1 and newer; before, they all reset on the next step) are supported: with
+    ``NEXT_STEP`` (the default) the reset step that follows an episode end is not recorded,
+    with ``SAME_STEP`` the final observation is read from ``info["final_obs"]``, and with
+    ``DISABLED`` a masked ``reset`` restarts the chains of the reset sub-envs. Envs that
+    report every sub-env's final observation in ``info["final_observation"]`` (gymnax's
+    ``GymnaxToVectorGymWrapper``) reset in the same step, whatever their metadata says; see
+    :func:`next_observations`. The rows of each step reach the buffer ordered by sub-env,
+    then by time; use one buffer per sub-env if episodes must be stored contiguously (for
     sequence sampling).
 
     Parameters
@@ -185,17 +258,15 @@ class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
         The vector environment.
     buffer : replay buffer
         Anything with ``add(transition_batch)``.
-    tracer : NStep or MonteCarlo, optional
-        The template tracer, copied once per sub-env (default ``NStep(n=1, gamma=1.0)``).
+    tracer : NStep, MonteCarlo, VectorNStep or VectorMonteCarlo, optional
+        The tracer, or a single-env template whose settings the vector tracer takes (default
+        ``NStep(n=1, gamma=1.0)``).
     """
 
     def __init__(self, env: gymnasium.vector.VectorEnv, buffer: Any, tracer: Any = None) -> None:
         super().__init__(env)
         self.buffer = _check_buffer(buffer)
-        template = _check_tracer(tracer)
-        self.tracers = [copy.deepcopy(template) for _ in range(self.num_envs)]
-        for t in self.tracers:
-            t.reset()
+        self.tracer = vector_tracer(tracer, self.num_envs)
         self._mode = autoreset_mode(env)
         self._obs: Any = None
         self._skip = np.zeros(self.num_envs, bool)
@@ -205,11 +276,10 @@ class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
         # read before the env's reset: gymnasium's vector envs pop "reset_mask" from options
         mask = (kwargs.get("options") or {}).get("reset_mask")
         obs, info = self.env.reset(**kwargs)
-        if mask is None or self._obs is None:  # after a failed recording, restart all tracers
+        if mask is None or self._obs is None:  # after a failed recording, restart all chains
             mask = np.ones(self.num_envs, bool)
         mask = np.asarray(mask, bool)
-        for i in np.flatnonzero(mask):
-            self.tracers[i].reset()
+        self.tracer.reset(mask)
         self._skip[mask] = False
         self._obs = _copy_tree(obs)
         return obs, info
@@ -218,39 +288,31 @@ class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
         """Step the env and record one transition per sub-env."""
         if self._obs is None:
             raise RuntimeError(_UNSYNCED)
-        per_env = list(iterate(self.env.action_space, actions))  # refused before stepping
-        if len(per_env) != self.num_envs:
-            raise ValueError(f"actions must hold one action per sub-env ({self.num_envs})")
+        # a list of actions (one per sub-env) becomes an array
+        acts = np.array(actions) if isinstance(actions, list) else _copy_tree(actions)
+        for x in jax.tree_util.tree_leaves(acts):  # refused before stepping
+            if x.shape[:1] != (self.num_envs,):
+                raise ValueError(
+                    f"actions must hold one action per sub-env ({self.num_envs}), got a leaf "
+                    f"of shape {x.shape}"
+                )
         obs, rewards, terminated, truncated, info = self.env.step(actions)
         try:
-            self._record(per_env, obs, rewards, terminated, truncated, info)
+            next_obs, same_step = next_observations(obs, terminated, truncated, info, self._mode)
+            ended = np.logical_or(terminated, truncated) & ~self._skip
+            self.tracer.add(
+                self._obs,
+                acts,
+                rewards,
+                terminated,
+                truncated=truncated,
+                s_next=next_obs,
+                active=~self._skip,
+            )
+            _add_vector_rows(self.tracer, self.buffer, ended)
         except BaseException:
             self._obs = None  # the env moved on without the recorder: refuse steps until reset
             raise
+        self._skip = ended & (self._mode == "NextStep") & (not same_step)
+        self._obs = next_obs if not same_step else _copy_tree(obs)
         return obs, rewards, terminated, truncated, info
-
-    def _record(
-        self, per_env: list, obs: Any, rewards: Any, terminated: Any, truncated: Any, info: dict
-    ) -> None:
-        """Feed the tracers one step of every sub-env and drain them into the buffer."""
-        obs_copy = _copy_tree(obs)
-        for i in range(self.num_envs):
-            if self._skip[i]:  # NEXT_STEP autoreset: this step only reset sub-env i
-                continue
-            term, trunc = bool(terminated[i]), bool(truncated[i])
-            if self._mode == "SameStep" and (term or trunc):
-                s_next = _copy_tree(info["final_obs"][i])
-            else:
-                s_next = jax.tree_util.tree_map(lambda x, i=i: x[i], obs_copy)
-            self.tracers[i].add(
-                jax.tree_util.tree_map(lambda x, i=i: x[i], self._obs),
-                _copy_tree(per_env[i]),
-                float(rewards[i]),
-                term,
-                truncated=trunc,
-                s_next=s_next,
-            )
-            _drain(self.tracers[i], self.buffer, term or trunc)
-        ended = np.logical_or(terminated, truncated)
-        self._skip = ended & (self._mode == "NextStep")
-        self._obs = obs_copy

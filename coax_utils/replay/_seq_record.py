@@ -8,19 +8,13 @@ import gymnasium
 import jax
 import numpy as np
 
-from coax_utils.replay._record import autoreset_mode
+from coax_utils.replay._record import autoreset_mode, next_observations
 
 __all__ = ["RecordVectorSequences"]
 
 
 def _copy(x: Any) -> Any:
     return jax.tree_util.tree_map(np.array, x)
-
-
-def _set_row(tree: Any, i: int, row: Any) -> None:
-    """``x[i] = r`` for the leaves ``x`` of ``tree`` and ``r`` of ``row``."""
-    for x, r in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(row)):
-        x[i] = r
 
 
 class RecordVectorSequences(gymnasium.vector.VectorWrapper):
@@ -35,7 +29,10 @@ class RecordVectorSequences(gymnasium.vector.VectorWrapper):
     step) are handled: with ``NEXT_STEP`` the reset step after an episode end is not
     recorded (the sub-env is inactive in that add), with ``SAME_STEP`` ``next_obs`` at an
     episode end comes from ``info["final_obs"]``, and with ``DISABLED`` a masked
-    :meth:`reset` starts new episodes in the reset sub-envs.
+    :meth:`reset` starts new episodes in the reset sub-envs. Envs that report every
+    sub-env's final observation in ``info["final_observation"]`` (gymnax's
+    ``GymnaxToVectorGymWrapper``) reset in the same step and ``next_obs`` comes from there
+    (see :func:`~coax_utils.replay.next_observations`).
 
     A reset of a sub-env in the middle of an episode drops the steps of its current window
     that no written window holds (the episode has no known end). A step the env took but
@@ -87,11 +84,8 @@ class RecordVectorSequences(gymnasium.vector.VectorWrapper):
             raise RuntimeError("call reset() before step() (or after a step that failed)")
         obs, rewards, terminated, truncated, info = self.env.step(actions)
         try:
-            next_obs = _copy(obs)
+            next_obs, same_step = next_observations(obs, terminated, truncated, info, self._mode)
             ended = np.logical_or(terminated, truncated)
-            if self._mode == "SameStep":
-                for i in np.flatnonzero(ended):
-                    _set_row(next_obs, i, info["final_obs"][i])
             steps = {
                 "obs": self._obs,
                 "action": _copy(actions),
@@ -108,6 +102,6 @@ class RecordVectorSequences(gymnasium.vector.VectorWrapper):
         except BaseException:
             self._obs = None
             raise
-        self._skip = ended & (self._mode == "NextStep")
+        self._skip = ended & (self._mode == "NextStep") & (not same_step)
         self._obs = _copy(obs)
         return obs, rewards, terminated, truncated, info

@@ -350,7 +350,7 @@ class _VectorTracer:
             W=self._w[env, pos],
         )
 
-    def pop(self) -> TransitionBatch:
+    def pop(self, return_envs: bool = False) -> Any:
         raise NotImplementedError
 
     def flush(self) -> TransitionBatch:
@@ -404,13 +404,20 @@ class VectorNStep(_VectorTracer):
         ended = self._terminated | self._truncated
         return np.where(ended, self._count, np.maximum(self._count - self.n, 0))
 
-    def pop(self) -> TransitionBatch:
+    def pop(self, return_envs: bool = False) -> Any:
         """Pop every complete transition of every sub-env.
+
+        Parameters
+        ----------
+        return_envs : bool, optional
+            Also return the sub-env of every row.
 
         Returns
         -------
         transitions : TransitionBatch
             The rows, ordered by sub-env and then by time (see the class docstring).
+        envs : array of int
+            With ``return_envs``: the sub-env of each row.
 
         Raises
         ------
@@ -438,7 +445,7 @@ class VectorNStep(_VectorTracer):
         batch = self._batch(env, (start + j) % cap, returns, factor, next_pos)
         self._start = (self._start + avail) % cap
         self._count -= avail
-        return batch
+        return (batch, env) if return_envs else batch
 
 
 class VectorMonteCarlo(_VectorTracer):
@@ -462,8 +469,9 @@ class VectorMonteCarlo(_VectorTracer):
     def _available(self) -> np.ndarray:
         return np.where(self._terminated | self._truncated, self._count, 0)
 
-    def pop(self) -> TransitionBatch:
-        """Pop the transitions of every sub-env whose episode ended, with their returns.
+    def pop(self, return_envs: bool = False) -> Any:
+        """Pop the transitions of every sub-env whose episode ended, with their returns
+        (and, with ``return_envs``, the sub-env of each row, as :meth:`VectorNStep.pop`).
 
         Raises
         ------
@@ -495,4 +503,4 @@ class VectorMonteCarlo(_VectorTracer):
         batch = self._batch(env, (start + t) % cap, returns, factor, None)
         self._start = (self._start + avail) % cap
         self._count -= avail
-        return batch
+        return (batch, env) if return_envs else batch

@@ -205,3 +205,131 @@ def test_monte_carlo_episodes_reach_the_buffer_in_time_order():
     window = buffer.sample_sequences(1, 5)
     assert window.mask.all()  # one episode, its last step marked as the end
     np.testing.assert_allclose(window.items.S[0], states[:5])
+
+
+def assert_rows_equal(got, want):
+    for field in ("S", "A", "logP", "Rn", "In", "S_next", "A_next", "logP_next", "W"):
+        g, w = np.asarray(getattr(got, field)), np.asarray(getattr(want, field))
+        assert g.shape == w.shape, field
+        np.testing.assert_array_equal(g, w, err_msg=field)
+
+
+def record_against_single_tracers(venv, make_tracer, num_steps, mode, seed=0):
+    """Record ``venv`` and trace the same steps with one single-env tracer per sub-env, the
+    reference being stepped through the env's own outputs: ``final`` gives the observation a
+    step led to. Returns (what the buffer holds, the reference rows in the same order)."""
+    from coax_utils.replay import MonteCarlo
+
+    buffer = SimpleReplayBuffer(100_000)
+    env = RecordTransitions(venv, buffer, make_tracer())
+    num_envs = env.num_envs
+    singles = [make_tracer() for _ in range(num_envs)]
+    obs, _ = env.reset(seed=seed)
+    obs = np.asarray(obs)
+    rng = np.random.default_rng(seed)
+    skip = np.zeros(num_envs, bool)
+    expected = []
+    for _ in range(num_steps):
+        actions = rng.integers(2, size=num_envs)
+        next_obs, rewards, term, trunc, info = env.step(actions)
+        next_obs, term, trunc = np.asarray(next_obs), np.asarray(term), np.asarray(trunc)
+        ended = (term | trunc) & ~skip
+        for i in range(num_envs):
+            if skip[i]:
+                continue
+            if "final_observation" in info:  # gymnax: every sub-env's, batched
+                s_next = np.asarray(info["final_observation"])[i]
+            elif mode == "SameStep" and ended[i]:
+                s_next = info["final_obs"][i]
+            else:
+                s_next = next_obs[i]
+            singles[i].add(
+                obs[i],
+                actions[i],
+                float(rewards[i]),
+                bool(term[i]),
+                truncated=bool(trunc[i]),
+                s_next=s_next,
+            )
+            rows = []
+            while singles[i]:
+                rows.append(singles[i].pop())
+            if rows and isinstance(singles[i], MonteCarlo):
+                rows = [TransitionBatch.concatenate(*rows)[::-1]]
+            expected.extend(rows)
+        if mode == "Disabled" and ended.any():
+            next_obs, _ = env.reset(options={"reset_mask": ended})
+            next_obs = np.asarray(next_obs)
+        skip = ended & (mode == "NextStep")
+        obs = next_obs
+    return contents(buffer), TransitionBatch.concatenate(*expected)
+
+
+@pytest.mark.requires(gymnasium="1.1")
+@pytest.mark.parametrize("mode", ["NextStep", "SameStep", "Disabled"])
+@pytest.mark.parametrize("tracer", ["nstep", "monte_carlo"])
+def test_vector_recording_equals_one_tracer_per_sub_env_in_every_autoreset_mode(mode, tracer):
+    from coax_utils.replay import MonteCarlo
+
+    venv = gymnasium.vector.SyncVectorEnv(
+        [lambda: gymnasium.make("CartPole-v1", max_episode_steps=14)] * 4, autoreset_mode=mode
+    )
+    make = (lambda: NStep(n=3, gamma=0.9)) if tracer == "nstep" else (lambda: MonteCarlo(0.9))
+    got, want = record_against_single_tracers(venv, make, 60, mode)
+    assert got.batch_size == want.batch_size > 40
+    assert np.any(got.In == 0) and np.any(np.isclose(got.In, 0.9))  # ends of both kinds
+    assert_rows_equal(got, want)
+
+
+def test_gymnax_vector_wrapper_final_observation_is_recorded():
+    gymnax = pytest.importorskip("gymnax")  # part of the dev extra, which the tests need
+    from gymnax.wrappers.gym import GymnaxToVectorGymWrapper
+
+    gx_env, params = gymnax.make("CartPole-v1")
+    params = params.replace(max_steps_in_episode=7)  # truncations as well as terminations
+    venv = GymnaxToVectorGymWrapper(gx_env, num_envs=3, params=params, seed=0)
+    got, want = record_against_single_tracers(venv, lambda: NStep(n=2, gamma=0.9), 30, None)
+    assert got.batch_size == want.batch_size >= 30 * 3 - 3 * 2
+    assert_rows_equal(got, want)
+    assert np.isclose(got.In, 0.9).sum() >= 3  # truncated episodes ended
+
+
+def test_vector_recorder_refuses_tracers_it_cannot_vectorize():
+    venv = gymnasium.vector.SyncVectorEnv([lambda: gymnasium.make("CartPole-v1")] * 2)
+    with pytest.raises(ValueError, match="record_extra_info"):
+        RecordTransitions(venv, SimpleReplayBuffer(10), NStep(2, 0.9, record_extra_info=True))
+    with pytest.raises(ValueError, match="num_envs=3"):
+        RecordTransitions(venv, SimpleReplayBuffer(10), NStep(2, 0.9, num_envs=3))
+    with pytest.raises(TypeError, match="NStep or MonteCarlo"):
+        RecordTransitions(venv, SimpleReplayBuffer(10), object())
+
+
+def test_gymnax_final_observation_reaches_recorded_sequences():
+    gymnax = pytest.importorskip("gymnax")
+    from gymnax.wrappers.gym import GymnaxToVectorGymWrapper
+
+    from coax_utils.replay import RecordVectorSequences, SequenceReplayBuffer
+
+    class Logged(SequenceReplayBuffer):  # the real buffer, with a log of what it was given
+        def add(self, steps, **kwargs):
+            self.log.append((steps, kwargs))
+            return super().add(steps, **kwargs)
+
+    gx_env, params = gymnax.make("CartPole-v1")
+    venv = GymnaxToVectorGymWrapper(
+        gx_env, num_envs=2, params=params.replace(max_steps_in_episode=4), seed=0
+    )
+    buffer = Logged(100, 2, num_envs=2)
+    buffer.log = []
+    recorder = RecordVectorSequences(venv, buffer)
+    obs, _ = recorder.reset(seed=0)
+    for t in range(9):
+        next_obs, _, term, trunc, info = recorder.step(np.array([t % 2, 1 - t % 2]))
+        steps, kwargs = buffer.log[-1]
+        np.testing.assert_array_equal(steps["obs"], np.asarray(obs))
+        np.testing.assert_array_equal(steps["next_obs"], np.asarray(info["final_observation"]))
+        assert kwargs["active"].all()  # gymnax resets within the step: no reset step follows
+        if np.any(trunc):
+            assert not np.allclose(steps["next_obs"], np.asarray(next_obs))
+        obs = next_obs
+    assert len(buffer) > 0
