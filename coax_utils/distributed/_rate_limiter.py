@@ -246,6 +246,21 @@ class RateLimiter(RemoteClass):
                 self._inserts += n
             self._cond.notify_all()
 
+    def max_insert(self) -> int:
+        r"""The largest number of transitions one insert may carry: ``n`` with
+        :math:`r\,n \le 2 e` (a larger one can never fit in the window and is refused).
+
+        :class:`ReplayWriter` refuses a ``chunk_size`` above it before anything is sent.
+        """
+        window = self._max_diff - self._min_diff
+        n = int(window // self._spi)
+        # the check of _wait, in floating point (the quotient may round either way)
+        while n > 0 and self._spi * n > window:
+            n -= 1
+        while self._spi * (n + 1) <= window:
+            n += 1
+        return n
+
     def counts(self) -> dict[str, int]:
         """The counters: ``{"inserts": I, "samples": S}``."""
         with self._cond:

@@ -262,6 +262,15 @@ class ReplayServer(RemoteClass):
         total = self._buffer.total_priority if self._prioritized() else float(size)
         return {"total": total, "size": size, "num_added": self._num_added}
 
+    def insert_limit(self) -> int | None:
+        """The largest batch one :meth:`add` may carry (None: no limit).
+
+        A plain server has none; a shard of a :class:`ShardedReplay` with a rate limiter
+        answers the limiter's :meth:`RateLimiter.max_insert`. :class:`ReplayWriter` asks it
+        once, so a chunk that could never be added is refused before anything is sent.
+        """
+        return None
+
     def num_added(self) -> int:
         """The number of transitions the buffer held when the server started (or was last
         restored) plus those accepted by :meth:`add` since.

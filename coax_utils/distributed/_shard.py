@@ -117,6 +117,11 @@ class ReplayShard(ReplayServer):
         self._ask_limiter(self._limiter.confirm_inserts.remote(n))
         return added
 
+    def insert_limit(self) -> int | None:
+        if self._limiter is None:
+            return None
+        return self._ask_limiter(self._limiter.max_insert.remote())
+
     @staticmethod
     def _ask_limiter(ref: Any) -> Any:
         """``ray.get`` a reply of the rate limiter; ReplayShardError naming it if it died."""

@@ -248,6 +248,39 @@ class ShardedReplay:
         extra = 0.0 if self.rate_limiter is None else self._insert_timeout
         return self._get(ref, int(shard), extra)
 
+    def writer(
+        self,
+        shard: int | None = None,
+        *,
+        chunk_size: int = 256,
+        max_delay: float | None = 1.0,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> Any:
+        """A :class:`ReplayWriter` into one shard (None: the next one, round robin): adds are
+        buffered into chunks of ``chunk_size`` transitions, one call per chunk.
+
+        Its ``timeout`` is this client's (plus ``insert_timeout`` with a rate limiter; None
+        if either is None). Raises TypeError/ValueError for bad arguments (a ``chunk_size``
+        above the rate limiter's :meth:`~RateLimiter.max_insert` included) before anything
+        is sent.
+        """
+        from coax_utils.distributed._writer import ReplayWriter
+
+        if shard is None:
+            shard = self._next_shard
+            self._next_shard = (self._next_shard + 1) % self.num_shards
+        else:
+            shard = check_int(shard, "shard", low=0, high=self.num_shards - 1)
+        extra = 0.0 if self.rate_limiter is None else self._insert_timeout
+        timeout = None if self.timeout is None or extra is None else self.timeout + extra
+        return ReplayWriter(
+            self.shards[shard],
+            chunk_size=chunk_size,
+            max_delay=max_delay,
+            timeout=timeout,
+            interrupt=interrupt,
+        )
+
     # -- the learner -------------------------------------------------------------------------
 
     def sample(self, batch_size: int = 32, timeout: float | None = None) -> TransitionBatch:
