@@ -34,22 +34,28 @@ def _gamma(gamma: Any) -> float:
     return float(gamma)
 
 
+def _shape_error(name: str, what: str, num_envs: int, shape: tuple) -> ValueError:
+    return ValueError(
+        f"{name} must be one {what} or one per sub-env (shape ({num_envs},)), got shape {shape}"
+    )
+
+
 def _numbers(x: Any, name: str, num_envs: int, dtype: Any) -> np.ndarray:
     """``x`` (one number, or one per sub-env) as finite ``dtype`` numbers of shape (num_envs,)."""
     arr = np.asarray(x)
     if arr.dtype.kind in "OSUcMm":
         raise TypeError(f"{name} must hold real numbers, got {x!r:.80}")
-    try:
-        arr = np.broadcast_to(arr, (num_envs,))
-    except ValueError:
-        raise ValueError(
-            f"{name} must be one number or one per sub-env (shape ({num_envs},)), got shape "
-            f"{arr.shape}"
-        ) from None
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = arr.astype(dtype)
-    bad = ~np.isfinite(out)
-    if bad.any():
+    if arr.shape != (num_envs,):
+        if arr.ndim != 0:
+            raise _shape_error(name, "number", num_envs, arr.shape)
+        arr = np.full(num_envs, arr)
+    if arr.dtype == dtype:
+        out = arr
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = arr.astype(dtype)
+    if not np.isfinite(out).all():
+        bad = ~np.isfinite(out)
         raise ValueError(
             f"{name} must be finite (as a {np.dtype(dtype).name}); sub-envs "
             f"{np.flatnonzero(bad).tolist()} got {arr[bad].tolist()}"
@@ -60,19 +66,15 @@ def _numbers(x: Any, name: str, num_envs: int, dtype: Any) -> np.ndarray:
 def _flags(x: Any, name: str, num_envs: int) -> np.ndarray:
     """``x`` (one flag or one per sub-env; bools, or numbers that are 0 or 1) as bools."""
     arr = np.asarray(x)
-    if arr.dtype.kind == "b":
-        pass
-    elif arr.dtype.kind in "iuf" and np.isin(arr, (0, 1)).all():
+    if arr.dtype.kind != "b":
+        if arr.dtype.kind not in "iuf" or not ((arr == 0) | (arr == 1)).all():
+            raise TypeError(f"{name} must hold bools (or numbers that are 0 or 1), got {x!r:.80}")
         arr = arr.astype(bool)
-    else:
-        raise TypeError(f"{name} must hold bools (or numbers that are 0 or 1), got {x!r:.80}")
-    try:
-        return np.broadcast_to(arr, (num_envs,))
-    except ValueError:
-        raise ValueError(
-            f"{name} must be one flag or one per sub-env (shape ({num_envs},)), got shape "
-            f"{arr.shape}"
-        ) from None
+    if arr.shape != (num_envs,):
+        if arr.ndim != 0:
+            raise _shape_error(name, "flag", num_envs, arr.shape)
+        arr = np.full(num_envs, arr)
+    return arr
 
 
 def _leaves(tree: Any, name: str, num_envs: int) -> tuple[list[np.ndarray], Any]:
@@ -226,13 +228,21 @@ class _VectorTracer:
             without ``s_next``. A rejected step changes nothing.
         """
         E = self.num_envs
-        active = np.ones(E, bool) if active is None else _flags(active, "active", E)
+        all_active = active is None
+        if not all_active:
+            active = _flags(active, "active", E)
+            all_active = bool(active.all())
         r = _numbers(r, "r", E, np.float64)
         logp = _numbers(logp, "logp", E, np.float32)
         w = _numbers(w, "w", E, np.float32)
-        done = _flags(done, "done", E) & active
-        truncated = _flags(truncated, "truncated", E) & active & ~done
-        bad = active & (self._terminated | self._truncated) & (self._count > 0)
+        done = _flags(done, "done", E)
+        truncated = _flags(truncated, "truncated", E) & ~done
+        if not all_active:
+            done, truncated = done & active, truncated & active
+        ended = self._terminated | self._truncated
+        bad = ended & (self._count > 0)
+        if not all_active:
+            bad &= active
         if bad.any():
             raise EpisodeDoneError(
                 f"the episodes of sub-envs {np.flatnonzero(bad).tolist()} already ended; pop() "
@@ -259,23 +269,24 @@ class _VectorTracer:
         if self._s is None:
             self._allocate(s_leaves, a_leaves)
             self._s_def, self._a_def = s_def, a_def
-        restart = active & (self._terminated | self._truncated)
-        self._terminated[restart] = False
-        self._truncated[restart] = False
-        self._start[restart] = 0
-        rows = np.flatnonzero(active)
-        if rows.size == 0:
-            return
+        if ended.any():  # active sub-envs whose ended episode was popped start a new one
+            restart = ended if all_active else ended & active
+            self._terminated[restart] = False
+            self._truncated[restart] = False
+            self._start[restart] = 0
+        if all_active:
+            rows = np.arange(E)
+            values = [*s_leaves, *a_leaves, r, logp, w]
+        else:
+            rows = np.flatnonzero(active)
+            if rows.size == 0:
+                return
+            values = [x[rows] for x in (*s_leaves, *a_leaves, r, logp, w)]
         if (self._count[rows] >= self._cap).any():
             self._grow()
         pos = (self._start[rows] + self._count[rows]) % self._cap
-        for b, x in zip(self._s, s_leaves):
-            b[rows, pos] = x[rows]
-        for b, x in zip(self._a, a_leaves):
-            b[rows, pos] = x[rows]
-        self._r[rows, pos] = r[rows]
-        self._logp[rows, pos] = logp[rows]
-        self._w[rows, pos] = w[rows]
+        for b, x in zip([*self._s, *self._a, self._r, self._logp, self._w], values):
+            b[rows, pos] = x
         self._count[rows] += 1
         self._terminated |= done
         self._truncated |= truncated
@@ -317,8 +328,20 @@ class _VectorTracer:
         S = self._gather(self._s, env, pos)
         A = self._gather(self._a, env, pos)
         logp = self._logp[env, pos]
-        trunc = self._truncated[env]
         full = np.zeros(env.size, bool) if next_pos is None else next_pos >= 0
+        if full.all():  # every row bootstraps from a step held
+            return TransitionBatch(
+                S=self._s_def.unflatten(S),
+                A=self._a_def.unflatten(A),
+                logP=logp,
+                Rn=rn,
+                In=factor.astype(np.float32),
+                S_next=self._s_def.unflatten(self._gather(self._s, env, next_pos)),
+                A_next=self._a_def.unflatten(self._gather(self._a, env, next_pos)),
+                logP_next=self._logp[env, next_pos],
+                W=self._w[env, pos],
+            )
+        trunc = self._truncated[env]
         end = ~full
         S_next = [x.copy() for x in S]
         A_next = [x.copy() for x in A]
@@ -426,13 +449,29 @@ class VectorNStep(_VectorTracer):
         ValueError
             If a return overflows the float32 it is stored as; nothing is popped.
         """
+        cap, n = self._cap, self.n
+        if not (self._terminated.any() or self._truncated.any() or self._count.max() > n + 1):
+            # the common case: no episode ended, at most one complete window per sub-env
+            env = np.flatnonzero(self._count > n)
+            if env.size == 0:
+                raise InsufficientCacheError(
+                    f"no sub-env holds more than n={n} steps or an ended episode yet"
+                )
+            start = self._start[env]
+            returns = np.zeros(env.size)
+            for m in range(n):  # the order of summation of NStep: bit for bit
+                returns = returns + self._gammas[m] * self._r[env, (start + m) % cap]
+            factor = np.full(env.size, self._gammas[n])
+            batch = self._batch(env, start, returns, factor, (start + n) % cap)
+            self._start[env] = (start + 1) % cap
+            self._count[env] -= 1
+            return (batch, env) if return_envs else batch
         avail = self._available()
         if not avail.any():
             raise InsufficientCacheError(
-                f"no sub-env holds more than n={self.n} steps or an ended episode yet"
+                f"no sub-env holds more than n={n} steps or an ended episode yet"
             )
         env, j = self._rows(avail)
-        cap, n = self._cap, self.n
         start, c0 = self._start[env], self._count[env]
         k = np.minimum(n, c0 - j)
         returns = np.zeros(env.size)
