@@ -87,35 +87,70 @@ def permuted(key: jax.Array, positions: jax.Array, n: int) -> jax.Array:
 
 
 class _Chunk:
-    """The transitions of consecutive episodes as flat arrays: NumPy arrays on the host, or
-    (after :meth:`to_device`) JAX arrays that :meth:`gather` reads inside compiled code."""
+    """The transitions of consecutive episodes as flat NumPy arrays, read on the host; or,
+    after :meth:`to_device`, one byte table on the device that :meth:`gather` reads inside
+    compiled code."""
 
     def __init__(self, episodes: list) -> None:
         def cat(trees: list) -> Any:
             return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *trees)
 
         self.observations = cat([ep.observations for ep in episodes])
-        self.actions = cat([ep.actions for ep in episodes])
-        self.rewards = np.concatenate([ep.rewards for ep in episodes])
-        self.terminated = np.concatenate([ep.terminations for ep in episodes])
-        self.truncated = np.concatenate([ep.truncations for ep in episodes])
+        # per transition: actions, rewards, terminations, truncations
+        self.fields = (
+            cat([ep.actions for ep in episodes]),
+            np.concatenate([ep.rewards for ep in episodes]),
+            np.concatenate([ep.terminations for ep in episodes]),
+            np.concatenate([ep.truncations for ep in episodes]),
+        )
         # the last transition of each episode (a small table: looked up by binary search,
         # it spares a random read of a per-transition array in every gather)
         self.ends = np.cumsum([len(ep.rewards) for ep in episodes]) - 1
 
     def to_device(self) -> _Chunk:
-        """Move every array to the default device (episode ends as int32)."""
-        for name, tree in vars(self).items():
-            if name == "ends":
-                tree = tree.astype(np.int32)
-            setattr(self, name, jax.tree_util.tree_map(jnp.asarray, tree))
+        """Put the data on the default device as one byte table with a row per observation.
+
+        Row ``o`` holds observation ``o`` followed by the fields of the transition that
+        starts there (zeros on the last observation of an episode), so a transition read at
+        random costs two adjacent rows, not one read per field: the gathers of a shuffled
+        epoch are bound by the memory's latency.
+        """
+        obs, self._obs_def = jax.tree_util.tree_flatten(self.observations)
+        fields, self._fields_def = jax.tree_util.tree_flatten(self.fields)
+        n_obs = len(obs[0])
+        starts = np.arange(len(self.fields[1]))  # the observation row of each transition
+        starts += np.repeat(np.arange(len(self.ends)), np.diff(self.ends, prepend=-1))
+        columns, self._layout, width = [], [], 0
+        for i, x in enumerate(obs + fields):
+            if i >= len(obs):
+                x = np.zeros((n_obs, *x.shape[1:]), x.dtype)
+                x[starts] = fields[i - len(obs)]
+            columns.append(np.ascontiguousarray(x).reshape(n_obs, -1).view(np.uint8))
+            self._layout.append((width, width + columns[-1].shape[1], x.dtype, x.shape[1:]))
+            width += columns[-1].shape[1]
+        self.table = jnp.asarray(np.concatenate(columns, axis=1))
+        self.ends = jnp.asarray(self.ends.astype(np.int32))
+        del self.observations, self.fields
         return self
+
+    def _unpack(self, rows: jax.Array, layout: list, treedef: Any) -> Any:
+        """The leaves laid out by ``layout`` in the byte ``rows`` (leading axes kept)."""
+        leaves = []
+        for start, stop, dtype, shape in layout:
+            b = rows[..., start:stop]
+            if dtype == np.bool_:
+                leaves.append((b != 0).reshape(*b.shape[:-1], *shape))
+                continue
+            item = () if dtype.itemsize == 1 else (dtype.itemsize,)
+            leaves.append(
+                jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], *shape, *item), dtype)
+            )
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def gather(self, rows: Any, window: int | None) -> tuple[dict, Any]:
         """The transitions at ``rows`` (or windows starting there) and their step masks.
 
-        NumPy ``rows`` index host arrays; traced ones index the arrays :meth:`to_device` put
-        on the device.
+        NumPy ``rows`` index the host arrays; traced ones the table :meth:`to_device` made.
         """
         xp = np if isinstance(rows, np.ndarray) else jnp
         # an unrolled binary search (XLA:CPU runs a loop's steps one call at a time)
@@ -130,14 +165,25 @@ class _Chunk:
             mask = steps <= last
             steps = xp.minimum(steps, last)
         obs_rows = steps + episode  # each episode has one observation more
-        take = lambda tree, index: jax.tree_util.tree_map(lambda x: x[index], tree)  # noqa: E731
+        if xp is np:
+            take = lambda tree, index: jax.tree_util.tree_map(lambda x: x[index], tree)  # noqa: E731
+            observation, next_observation = (take(self.observations, obs_rows + i) for i in (0, 1))
+            action, reward, terminated, truncated = take(self.fields, steps)
+        else:
+            k = self._obs_def.num_leaves  # the observation's columns come first
+            here, after = self.table[obs_rows], self.table[obs_rows + 1, : self._layout[k - 1][1]]
+            observation = self._unpack(here, self._layout[:k], self._obs_def)
+            next_observation = self._unpack(after, self._layout[:k], self._obs_def)
+            action, reward, terminated, truncated = self._unpack(
+                here, self._layout[k:], self._fields_def
+            )
         value = {
-            "observation": take(self.observations, obs_rows),
-            "action": take(self.actions, steps),
-            "reward": self.rewards[steps],
-            "next_observation": take(self.observations, obs_rows + 1),
-            "terminated": self.terminated[steps],
-            "truncated": self.truncated[steps],
+            "observation": observation,
+            "action": action,
+            "reward": reward,
+            "next_observation": next_observation,
+            "terminated": terminated,
+            "truncated": truncated,
         }
         return value, mask
 
