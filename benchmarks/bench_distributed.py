@@ -59,6 +59,7 @@ from coax_utils.distributed import (
     RolloutWorker,
     ShardedReplay,
 )
+from coax_utils.distributed._writer import ReplayWriter
 from coax_utils.replay import PrioritizedReplayBuffer, TransitionBatch
 
 BATCH = 32
@@ -94,7 +95,9 @@ class Sink:
 
 
 class Writer:
-    """Pushes one ready-made batch again and again (max ``in_flight`` unacknowledged)."""
+    """Pushes one ready-made batch again and again: directly (max ``in_flight`` unacknowledged
+    ``add`` calls, today's path), or with ``chunk_size`` through a
+    :class:`~coax_utils.distributed.ReplayWriter` (one call per chunk)."""
 
     def __init__(self, seed: int) -> None:
         self.batch = make_batch(seed)
@@ -108,30 +111,40 @@ class Writer:
         ray.get(list(refs))
         return num_batches * self.batch.batch_size
 
-    def stream(self, target, seconds: float, in_flight: int = 2) -> int:
-        n, stop = 0, time.perf_counter() + seconds
-        while time.perf_counter() < stop:
-            n += self.push(target, 8, in_flight)
+    def _loop(self, target, more, in_flight: int, chunk_size: int | None, pause: float = 0.0):
+        """Push batches of 8 (or one, with a pause) while ``more()``; everything acknowledged."""
+        n = 0
+        if chunk_size is None:
+            while more():
+                n += self.push(target, 1 if self.paced else 8, in_flight)
+                time.sleep(self.pause)
+            return n
+        with ReplayWriter(target, chunk_size=chunk_size, max_delay=0.1) as writer:
+            while more():
+                for _ in range(1 if self.paced else 8):
+                    writer.add(self.batch)
+                    n += self.batch.batch_size
+                time.sleep(self.pause)
         return n
 
-    def stream_until_stopped(self, target, in_flight: int = 2) -> int:
+    def stream(self, target, seconds: float, in_flight: int = 2, chunk_size=None) -> int:
+        stop = time.perf_counter() + seconds
+        self.paced, self.pause = False, 0.0
+        return self._loop(target, lambda: time.perf_counter() < stop, in_flight, chunk_size)
+
+    def stream_until_stopped(self, target, in_flight: int = 2, chunk_size=None) -> int:
         """Push until :meth:`stop` (needs an actor with ``max_concurrency`` >= 2)."""
-        n, self.stopped = 0, False
-        while not self.stopped:
-            n += self.push(target, 8, in_flight)
-        return n
+        self.stopped, self.paced, self.pause = False, False, 0.0
+        return self._loop(target, lambda: not self.stopped, in_flight, chunk_size)
 
     def stop(self) -> None:
         self.stopped = True
 
-    def paced_until_stopped(self, target, pause: float) -> int:
+    def paced_until_stopped(self, target, pause: float, chunk_size=None) -> int:
         """Push one batch, then sleep :attr:`pause` (a slower env; :meth:`set_pause` changes
         it), until :meth:`stop` (needs an actor with ``max_concurrency`` >= 2)."""
-        n, self.stopped, self.pause = 0, False, pause
-        while not self.stopped:
-            n += self.push(target, 1, 1)
-            time.sleep(self.pause)
-        return n
+        self.stopped, self.paced, self.pause = False, True, pause
+        return self._loop(target, lambda: not self.stopped, 1, chunk_size)
 
     def set_pause(self, pause: float) -> None:
         self.pause = pause
@@ -417,8 +430,9 @@ def two_round_trips(replay: ShardedReplay, batch_size: int) -> list:
     return ray.get(refs)
 
 
-def bench_prefetch(steps: int, rounds: int) -> None:
-    """``rounds`` times round robin, ``steps`` learner steps of each variant."""
+def bench_prefetch(steps: int, rounds: int, chunk_size: int | None = None) -> None:
+    """``rounds`` times round robin, ``steps`` learner steps of each variant; the writers add
+    directly, or through a ReplayWriter with ``chunk_size``."""
     step = make_learner()
     step_seconds = time_learner(step)
     plain = ReplayServer.remote(PrioritizedReplayBuffer(CAPACITY, random_seed=0))
@@ -429,7 +443,9 @@ def bench_prefetch(steps: int, rounds: int) -> None:
 
     def with_writers(targets, run):
         before = ray.get([t.num_added.remote() for t in targets])
-        streams = [w.stream_until_stopped.remote(t) for w, t in zip(writers, targets)]
+        streams = [
+            w.stream_until_stopped.remote(t, 2, chunk_size) for w, t in zip(writers, targets)
+        ]
         while ray.get([t.num_added.remote() for t in targets]) == before:
             time.sleep(0.01)  # wait until the writers are under way
         waits = run()
@@ -489,7 +505,9 @@ def bench_prefetch(steps: int, rounds: int) -> None:
     load = (min(loads), max(loads))
     base = statistics.median(results[plain_name])
     print(
-        f"\nLearner wait per step, 2 writers adding, {steps} steps of a jitted DQN update "
+        f"\nLearner wait per step, 2 writers adding "
+        f"({'directly' if chunk_size is None else f'through ReplayWriter, chunk_size={chunk_size}'}"
+        f"), {steps} steps of a jitted DQN update "
         f"({step_seconds * 1e3:.1f} ms per step alone), {rounds} rounds round robin, load "
         f"average {load[0]:.1f} - {load[1]:.1f}"
     )
@@ -512,7 +530,14 @@ def _cpu_by_role() -> dict[str, float]:
     """CPU seconds used so far by the processes of this machine, grouped by role."""
     import psutil
 
-    roles = {"shards": 0.0, "writers": 0.0, "ray services": 0.0, "driver": 0.0, "other": 0.0}
+    roles = {
+        "shards": 0.0,
+        "writers": 0.0,
+        "rate limiter": 0.0,
+        "ray services": 0.0,
+        "driver": 0.0,
+        "other": 0.0,
+    }
     me = os.getpid()
     for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
         times = proc.info["cpu_times"]
@@ -525,6 +550,8 @@ def _cpu_by_role() -> dict[str, float]:
             role = "shards"
         elif "ray::Writer" in cmd:
             role = "writers"
+        elif "ray::RateLimiter" in cmd:
+            role = "rate limiter"
         elif any(k in cmd for k in ("raylet", "gcs_server", "ray/_private", "ray::")):
             role = "ray services"
         else:
@@ -581,7 +608,76 @@ def bench_shard_inserts(reps: int, seconds: float) -> None:
         ray.kill(actor)
 
 
-def bench_ratio(seconds: float) -> None:
+def bench_chunked_inserts(reps: int, seconds: float, chunk_sizes: tuple[int, ...]) -> None:
+    """CPU per inserted transition and insert throughput: 2 writers into one shard (behind a
+    rate limiter, and without one), today's direct adds of 32 (2 in flight) against chunked
+    writers."""
+    import psutil
+
+    # a limiter that never holds an insert back (its window is far larger than the run), so
+    # its CPU per call is measured, not its waits
+    limiter = RateLimiter.remote(1, 1e-3, 1e9)
+    limited, bare = _prefilled_shards(1, limiter), _prefilled_shards(1)
+    writers = [ray.remote(Writer).remote(seed) for seed in (1, 2)]
+    today = f"direct adds of {BATCH}, 2 in flight (today)"
+    variants = {}
+    for replay, where in ((limited, "rate limiter"), (bare, "no limiter")):
+        variants[f"{where}: {today}"] = (replay, None)
+        for c in chunk_sizes if replay is limited else chunk_sizes[-1:]:
+            variants[f"{where}: ReplayWriter, chunk_size={c}"] = (replay, c)
+    roles = ("writers", "shards", "rate limiter")
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    per_row: dict[str, list[float]] = {name: [] for name in variants}
+    by_role: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+    loads = []
+
+    def run(replay, chunk_size, seconds):
+        before = replay.num_added()
+        cpu_before = _cpu_by_role()
+        tic = time.perf_counter()
+        refs = [w.stream.remote(replay.shards[0], seconds, 2, chunk_size) for w in writers]
+        pushed = sum(ray.get(refs))
+        elapsed = time.perf_counter() - tic
+        cpu_after = _cpu_by_role()
+        assert replay.num_added() - before == pushed  # nothing lost
+        return pushed, elapsed, {r: cpu_after[r] - cpu_before[r] for r in cpu_after}
+
+    for replay, chunk_size in variants.values():  # warm-up
+        run(replay, chunk_size, 0.3)
+    for _ in range(reps):
+        for name, (replay, chunk_size) in variants.items():
+            pushed, elapsed, cpu = run(replay, chunk_size, seconds)
+            rates[name].append(pushed / elapsed)
+            per_row[name].append(sum(cpu[r] for r in roles) / pushed)
+            by_role[name].append({r: cpu[r] / pushed for r in cpu})
+            loads.append(os.getloadavg()[0])
+    counts = ray.get(limiter.counts.remote())
+    assert counts["inserts"] == limited.num_added()  # the limiter counted every row
+    print(
+        f"\nInserts into one shard, 2 writers pushing batches of {BATCH}, {reps} runs of "
+        f"{seconds:.0f} s round robin; load average {min(loads):.1f} - {max(loads):.1f} "
+        f"(median {statistics.median(loads):.1f}), {psutil.cpu_count()} cores"
+    )
+    print(
+        f"{'variant':46s} {'transitions/s (min - max)':>32s} {'x today':>7s}  CPU us per "
+        f"transition: {' + '.join(roles)} = total  {'/ today':>7s}"
+    )
+    for name in variants:
+        base = next(n for n in variants if n.endswith(today) and n[:5] == name[:5])
+        parts = [statistics.median(c[r] for c in by_role[name]) * 1e6 for r in roles]
+        total = statistics.median(per_row[name]) * 1e6
+        speed = statistics.median(rates[name]) / statistics.median(rates[base])
+        cpu_ratio = statistics.median(per_row[name]) / statistics.median(per_row[base])
+        print(
+            f"{name:46s} {fmt_rate(rates[name]):>32s} {speed:7.2f}  "
+            f"{' + '.join(f'{p:5.2f}' for p in parts)} = {total:6.2f}  {cpu_ratio:7.3f}"
+        )
+    print("goals: CPU per transition <= 0.25 of today's, throughput >= 3x today's")
+    for actor in [*writers, *limited.shards, *bare.shards, limiter]:
+        ray.kill(actor)
+
+
+def bench_ratio(seconds: float, chunk_size: int | None = None) -> None:
     spi, min_size, error_buffer = 4.0, 1000, 4.0 * BATCH * 4 + SAMPLE * 3
     phases = [  # (writers' pause per batch, learner's step time), each half of the run
         ("writers slow (20 ms/batch), learner fast (1 ms/step)", 0.02, 0.001),
@@ -589,7 +685,9 @@ def bench_ratio(seconds: float) -> None:
     ]
     print(
         f"\nRate limiter: samples_per_insert={spi}, min_size_to_sample={min_size}, "
-        f"error_buffer={error_buffer:.0f}; 2 writers, learner batches of {SAMPLE}; one run of "
+        f"error_buffer={error_buffer:.0f}; 2 writers ("
+        f"{'direct adds' if chunk_size is None else f'ReplayWriter, chunk_size={chunk_size}'}), "
+        f"learner batches of {SAMPLE}; one run of "
         f"{seconds:.0f} s, speeds switched half way"
     )
     limiter = RateLimiter.remote(min_size, spi, error_buffer)
@@ -597,7 +695,10 @@ def bench_ratio(seconds: float) -> None:
     replay = ShardedReplay(buffers, rate_limiter=limiter, seed=0)
     writers = [ray.remote(Writer).options(max_concurrency=2).remote(seed) for seed in (1, 2)]
     half = seconds / 2
-    refs = [w.paced_until_stopped.remote(s, phases[0][1]) for w, s in zip(writers, replay.shards)]
+    refs = [
+        w.paced_until_stopped.remote(s, phases[0][1], chunk_size)
+        for w, s in zip(writers, replay.shards)
+    ]
     worst, steps, loads = 0.0, 0, []
     with PrefetchingSampler(replay, SAMPLE, num_in_flight=2, timeout=30) as sampler:
         sampler.sample()  # waits for min_size_to_sample
@@ -647,6 +748,15 @@ def main() -> None:
     parser.add_argument("--inserts", action="store_true", help="only the shard inserts of 4")
     parser.add_argument("--ratio", action="store_true", help="only the rate limiter run of 4")
     parser.add_argument("--ratio-seconds", type=float, default=60.0, help="rate limiter run")
+    parser.add_argument(
+        "--chunked",
+        action="store_true",
+        help="only the chunked writes: CPU per transition and throughput against direct adds, "
+        "then the learner wait and the rate limiter run with chunked writers",
+    )
+    parser.add_argument(
+        "--chunk-sizes", default="128,256,1024", help="chunk sizes, comma-separated"
+    )
     args = parser.parse_args()
     reps = 2 if args.quick else 9
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -660,6 +770,19 @@ def main() -> None:
     )
     try:
         print(f"Ray {ray.__version__}, {os.cpu_count()} CPUs, local cluster with num_cpus=2")
+        if args.chunked:
+            sizes = tuple(int(c) for c in args.chunk_sizes.split(","))
+            bench_chunked_inserts(
+                2 if args.quick else 5, seconds=0.5 if args.quick else 3.0, chunk_sizes=sizes
+            )
+            if not args.inserts:
+                bench_prefetch(
+                    steps=20 if args.quick else 100,
+                    rounds=2 if args.quick else 5,
+                    chunk_size=max(sizes),
+                )
+                bench_ratio(4.0 if args.quick else args.ratio_seconds, chunk_size=128)
+            return
         only = {"prefetch": args.prefetch, "inserts": args.inserts, "ratio": args.ratio}
         if any(only.values()) or args.sharded or args.quick:
             run_all = args.sharded or args.quick or not any(only.values())
