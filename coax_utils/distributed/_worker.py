@@ -9,12 +9,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
 import ray
 
 from coax_utils._checks import check_float, check_int, check_seed, is_int
 from coax_utils.distributed._actor import RemoteClass, wait_ready
-from coax_utils.replay import NStep, TransitionBatch
+from coax_utils.replay import NStep, RecordTransitions, TransitionBatch
 
 __all__ = ["RolloutWorker"]
 
@@ -34,6 +35,7 @@ def _check_args(
     sync_every: int = 100,
     max_in_flight: int = 2,
     seed: int | None = None,
+    num_envs: int | None = None,
 ) -> None:
     if not (callable(env_fn) or isinstance(env_fn, str)):
         raise TypeError(
@@ -58,15 +60,54 @@ def _check_args(
         check_int(value, name, low=low)
     check_float(gamma, "gamma", 0.0, 1.0)
     check_seed(seed, "seed")
+    if num_envs is not None:
+        check_int(num_envs, "num_envs", low=1)
+
+
+def _make_env(env_fn: Callable[[], Any] | str, num_envs: int | None) -> Any:
+    """The worker's env: a gymnasium env, or with ``num_envs`` a vector env of that many."""
+    import gymnasium
+
+    if num_envs is None:
+        return gymnasium.make(env_fn) if isinstance(env_fn, str) else env_fn()
+    if isinstance(env_fn, str):
+        return gymnasium.make_vec(env_fn, num_envs=num_envs)
+    env = env_fn()
+    if not isinstance(env, gymnasium.vector.VectorEnv):
+        first = [env]
+        env = gymnasium.vector.SyncVectorEnv([first.pop] + [env_fn] * (num_envs - 1))
+    if env.num_envs != num_envs:
+        raise ValueError(
+            f"env_fn() returned a vector env of {env.num_envs} sub-envs, not {num_envs}"
+        )
+    return env
+
+
+class _Outbox:
+    """What the recorder writes into: every traced batch leaves the worker through
+    ``RolloutWorker._emit``."""
+
+    def __init__(self, emit: Callable[[TransitionBatch], None]) -> None:
+        self.add = emit
 
 
 class RolloutWorker(RemoteClass):
-    r"""A Ray actor that runs a gymnasium env and feeds n-step transitions to a server.
+    r"""A Ray actor that runs a gymnasium env (or vector env) and feeds n-step transitions to
+    a server.
 
     Start it with ``RolloutWorker.remote(env_fn, policy, server, params, ...)``. The worker
     steps its env with ``policy(params, s, rng)``, traces n-step transitions with
-    :class:`coax_utils.replay.NStep`, and pushes them in batches of ``batch_size`` to a
-    :class:`ReplayServer` (``server.add``). Initial priorities come from
+    :class:`coax_utils.replay.NStep` (through :class:`~coax_utils.replay.RecordTransitions`),
+    and pushes them in batches of ``batch_size`` to a :class:`ReplayServer` (``server.add``).
+
+    With ``num_envs`` the worker runs a vector env of that many sub-envs: ``policy(params, S,
+    rng)`` gets the batched observations (leading axis ``num_envs``) and returns one action
+    per sub-env (NumPy or JAX arrays: a jitted policy works as is; draw its key from
+    ``rng``), and every vector step is traced in one call for all sub-envs
+    (:class:`~coax_utils.replay.VectorNStep`), with gymnasium's autoreset modes and gymnax's
+    ``final_observation`` handled as in
+    :class:`~coax_utils.replay.RecordVectorTransitions`. Each push carries whole traced
+    batches cut to ``batch_size`` rows. Initial priorities come from
     ``priority_fn(params, transition_batch)`` (e.g. :math:`|\delta|`, the absolute TD error
     under the current parameters); without it, new transitions get the buffer's current
     maximum priority.
@@ -100,9 +141,14 @@ class RolloutWorker(RemoteClass):
     Parameters
     ----------
     env_fn : callable or str
-        ``env_fn()`` returns a :class:`gymnasium.Env`; a string is a gymnasium env id.
+        ``env_fn()`` returns a :class:`gymnasium.Env`; a string is a gymnasium env id. With
+        ``num_envs``, ``env_fn()`` may also return a vector env of ``num_envs`` sub-envs
+        (else the worker makes a :class:`gymnasium.vector.SyncVectorEnv` of ``num_envs``
+        calls), and an env id is made with :func:`gymnasium.make_vec` (the env's own vector
+        implementation where it has one).
     policy : callable
-        ``policy(params, s, rng) -> a`` with ``rng`` a :class:`numpy.random.Generator`.
+        ``policy(params, s, rng) -> a`` with ``rng`` a :class:`numpy.random.Generator`
+        (batched with ``num_envs``).
     server : ray.actor.ActorHandle
         A :class:`ReplayServer` handle.
     params : ray.actor.ActorHandle or pytree
@@ -121,6 +167,9 @@ class RolloutWorker(RemoteClass):
         Pushes that may await the server's acknowledgement (0: every push waits).
     seed : int, optional
         Seeds the env's first reset, its action space and ``rng`` (>= 0).
+    num_envs : int, optional
+        Run a vector env of this many sub-envs (>= 1); ``steps`` in the statistics then
+        counts sub-env steps.
 
     Raises
     ------
@@ -142,6 +191,7 @@ class RolloutWorker(RemoteClass):
         sync_every: int = 100,
         max_in_flight: int = 2,
         seed: int | None = None,
+        num_envs: int | None = None,
     ) -> None:
         _check_args(
             env_fn,
@@ -155,10 +205,12 @@ class RolloutWorker(RemoteClass):
             sync_every=sync_every,
             max_in_flight=max_in_flight,
             seed=seed,
+            num_envs=num_envs,
         )
-        import gymnasium
-
-        self._env = gymnasium.make(env_fn) if isinstance(env_fn, str) else env_fn()
+        self._num_envs = num_envs
+        env = _make_env(env_fn, num_envs)
+        self._env = RecordTransitions(env, _Outbox(self._emit), NStep(n=n, gamma=gamma))
+        self._autoreset = None if num_envs is None else self._env.autoreset_mode
         self._policy = policy
         self._priority_fn = priority_fn
         self._server = server
@@ -166,7 +218,6 @@ class RolloutWorker(RemoteClass):
             self._param_server, self._params, self._version = params, None, 0
         else:
             self._param_server, self._params, self._version = None, params, 0
-        self._tracer = NStep(n=n, gamma=gamma)
         self._batch_size = batch_size
         self._sync_every = sync_every
         self._max_in_flight = max_in_flight
@@ -176,8 +227,10 @@ class RolloutWorker(RemoteClass):
             self._env.action_space.seed(seed)
 
         self._obs: Any = None
-        self._episode_return = 0.0
+        self._episode_return = np.zeros(num_envs or 1)
         self._pending: list[TransitionBatch] = []
+        self._num_pending = 0
+        self._synced_at = 0
         self._in_flight: collections.deque = collections.deque()
         self._steps = 0
         self._episodes = 0
@@ -206,40 +259,57 @@ class RolloutWorker(RemoteClass):
                     "set.remote(params) before the workers run"
                 )
             self._version, self._params = version, params
-        elif self._steps % self._sync_every == 0:
+            self._synced_at = self._steps
+        elif self._steps - self._synced_at >= self._sync_every:
             newer = ray.get(self._param_server.get_if_newer.remote(self._version))
+            self._synced_at = self._steps
             if newer is not None:
                 self._version, self._params = newer
 
     def _step(self) -> None:
+        """One step of the env (of every sub-env of a vector env), recorded."""
         self._sync_params()  # changes nothing when it raises: run() may be called again
         with self._stop_on_error():
             if self._obs is None:
                 self._obs, _ = self._env.reset(seed=self._seed if self._episodes == 0 else None)
-                self._episode_return = 0.0
+                self._episode_return[:] = 0.0
             a = self._policy(self._params, self._obs, self._rng)
+            if self._num_envs is not None:
+                a = jax.tree_util.tree_map(np.asarray, a)
+            # the recorder traces the step and hands what it pops to _emit
             s_next, r, terminated, truncated, _ = self._env.step(a)
-            self._steps += 1
-            self._episode_return += float(r)
-            self._tracer.add(self._obs, a, r, terminated, truncated=truncated, s_next=s_next)
-            while self._tracer:
-                self._pending.append(self._tracer.pop())
-            if terminated or truncated:
-                self._episodes += 1
+            self._steps += self._num_envs or 1
+            self._episode_return += np.asarray(r, np.float64)
+            ended = np.flatnonzero(np.logical_or(terminated, truncated))
+            if ended.size:
+                self._episodes += ended.size
                 with self._returns_lock:
-                    self._returns.append(self._episode_return)
+                    self._returns.extend(self._episode_return[ended].tolist())
+                self._episode_return[ended] = 0.0
+            if self._num_envs is None and ended.size:
                 self._obs = None
+            elif ended.size and self._autoreset == "Disabled":  # reset the ended sub-envs
+                mask = np.logical_or(terminated, truncated)
+                self._obs, _ = self._env.reset(options={"reset_mask": mask})
             else:
                 self._obs = s_next
-            while len(self._pending) >= self._batch_size:
-                batch = TransitionBatch.concatenate(*self._pending[: self._batch_size])
-                del self._pending[: self._batch_size]
-                self._push(batch)
-                # at most max_in_flight unacknowledged; stop() interrupts this wait (which
-                # lasts while a rate-limited shard holds the adds): the pushes stay in flight
-                while len(self._in_flight) > self._max_in_flight:
-                    if not self._wait_oldest(interrupt=self._stop_event.is_set):
-                        return
+
+    def _emit(self, batch: TransitionBatch) -> None:
+        """The one place traced transitions leave the worker: they wait until ``batch_size``
+        are pending, then go to the server in pushes of ``batch_size``."""
+        self._pending.append(batch)
+        self._num_pending += batch.batch_size
+        size = self._batch_size
+        while self._num_pending >= size:
+            pending = TransitionBatch.concatenate(*self._pending)
+            self._pending = [pending[size:]] if self._num_pending > size else []
+            self._num_pending -= size
+            self._push(pending[:size] if self._pending else pending)
+            # at most max_in_flight unacknowledged; stop() interrupts this wait (which
+            # lasts while a rate-limited shard holds the adds): the pushes stay in flight
+            while len(self._in_flight) > self._max_in_flight:
+                if not self._wait_oldest(interrupt=self._stop_event.is_set):
+                    return
 
     def _push(self, batch: TransitionBatch) -> None:
         Adv = None
@@ -295,7 +365,8 @@ class RolloutWorker(RemoteClass):
         Parameters
         ----------
         num_steps : int
-            The number of env steps (>= 0).
+            The number of env steps (>= 0); with ``num_envs``, rounded up to whole vector
+            steps of ``num_envs`` sub-env steps each.
 
         Returns
         -------
@@ -317,7 +388,8 @@ class RolloutWorker(RemoteClass):
         if self._thread is not None:
             raise RuntimeError("the worker is running in the background; call stop() first")
         self._raise_error()
-        for _ in range(num_steps):
+        per_step = self._num_envs or 1
+        for _ in range(-(-num_steps // per_step)):  # whole vector steps
             self._step()
         with self._stop_on_error():
             while self._in_flight:
@@ -380,6 +452,7 @@ class RolloutWorker(RemoteClass):
             if self._pending:
                 batch = TransitionBatch.concatenate(*self._pending)
                 self._pending.clear()
+                self._num_pending = 0
                 self._push(batch)
             while self._in_flight and self._wait_oldest(deadline):
                 pass

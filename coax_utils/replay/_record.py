@@ -271,6 +271,12 @@ class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
         self._obs: Any = None
         self._skip = np.zeros(self.num_envs, bool)
 
+    @property
+    def autoreset_mode(self) -> str:
+        """The env's autoreset mode: "NextStep", "SameStep" or "Disabled" (see
+        :func:`autoreset_mode`)."""
+        return self._mode
+
     def reset(self, **kwargs: Any) -> tuple[Any, dict]:
         """Reset the env (all sub-envs, or those in ``options["reset_mask"]``)."""
         # read before the env's reset: gymnasium's vector envs pop "reset_mask" from options

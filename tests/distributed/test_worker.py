@@ -321,3 +321,81 @@ def test_stop_with_a_timeout_returns_while_a_rate_limited_shard_holds_the_pushes
     assert final["transitions_added"] == final["transitions_sent"] == replay.size()
     assert ray.get(worker.run.remote(0))["steps"] == final["steps"]  # usable again
     ray.kill(worker)
+
+
+def uniform_batch(params, S, rng):
+    return rng.integers(2, size=len(S))
+
+
+@jax.jit
+def _random_actions(key, S):
+    return jax.random.randint(key, (S.shape[0],), 0, 2)
+
+
+def jitted_uniform_batch(params, S, rng):
+    """A jitted policy: its key comes from the worker's rng."""
+    return _random_actions(jax.random.key(int(rng.integers(2**31))), jax.numpy.asarray(S))
+
+
+def gymnax_cartpole(num_envs=3):
+    import gymnax
+    from gymnax.wrappers.gym import GymnaxToVectorGymWrapper
+
+    env, params = gymnax.make("CartPole-v1")
+    params = params.replace(max_steps_in_episode=6)  # truncations within a short run
+    return GymnaxToVectorGymWrapper(env, num_envs=num_envs, params=params, seed=0)
+
+
+def _local_vector_rollout(venv, policy, num_vector_steps, n, gamma, seed):
+    """The oracle: one NStep per sub-env, stepped through the vector env in this process."""
+    rng = np.random.default_rng(seed)
+    obs, _ = venv.reset(seed=seed)
+    obs = np.asarray(obs)
+    tracers = [NStep(n=n, gamma=gamma) for _ in range(venv.num_envs)]
+    skip = np.zeros(venv.num_envs, bool)
+    out = []
+    for _ in range(num_vector_steps):
+        a = np.asarray(policy(None, obs, rng))
+        nxt, r, term, trunc, info = venv.step(a)
+        nxt, term, trunc = np.asarray(nxt), np.asarray(term), np.asarray(trunc)
+        final = np.asarray(info.get("final_observation", nxt))
+        for i, tracer in enumerate(tracers):
+            if skip[i]:
+                continue
+            tracer.add(
+                obs[i], a[i], float(r[i]), bool(term[i]), truncated=bool(trunc[i]), s_next=final[i]
+            )
+            while tracer:
+                out.append(tracer.pop())
+        skip = (term | trunc) & ~skip & ("final_observation" not in info)
+        obs = nxt
+    return TransitionBatch.concatenate(*out)
+
+
+@pytest.mark.parametrize("kind", ["gymnasium", "gymnax_jitted_policy"])
+def test_vector_worker_pushes_what_one_tracer_per_sub_env_traces(ray_cluster, kind):
+    ray = ray_cluster
+    server = ReplayServer.remote(SimpleReplayBuffer(capacity=1000))
+    if kind == "gymnasium":
+        env_fn, policy, num_envs = ENV, uniform_batch, 4
+        local = gymnasium.make_vec(ENV, num_envs=4)
+    else:
+        env_fn, policy, num_envs = gymnax_cartpole, jitted_uniform_batch, 3
+        local = gymnax_cartpole()
+    worker = RolloutWorker.remote(
+        env_fn, policy, server, 0, n=3, gamma=0.9, batch_size=8, seed=5, num_envs=num_envs
+    )
+    stats = ray.get(worker.run.remote(20 * num_envs))  # 20 vector steps
+    assert stats["steps"] == 20 * num_envs and stats["episodes"] >= 1
+    assert stats["transitions_added"] % 8 == 0 and stats["transitions_added"] > 0
+    final = ray.get(worker.stop.remote())
+    expected = _local_vector_rollout(local, policy, 20, n=3, gamma=0.9, seed=5)
+    assert final["transitions_added"] == expected.batch_size == ray.get(server.size.remote())
+    stored = _stored(ray, server)
+    for field in ("S", "A", "Rn", "In", "S_next", "A_next"):
+        np.testing.assert_array_equal(getattr(stored, field), getattr(expected, field))
+    if kind == "gymnasium":
+        assert np.any(stored.In == 0)  # terminated episodes, then next-step reset steps
+    else:
+        assert np.isclose(stored.In, 0.9).any()  # truncated: from the final observation
+    ray.kill(worker)
