@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from coax_utils.replay._host import PrioritizedReplayBuffer, SimpleReplayBuffer
-from coax_utils.replay._tracing import MonteCarlo, NStep
+from coax_utils.replay._tracing import InsufficientCacheError, MonteCarlo, NStep
 from coax_utils.replay._transition import TransitionBatch
 from coax_utils.replay._vector_tracing import VectorMonteCarlo, VectorNStep
 
@@ -224,9 +224,10 @@ def vector_tracer(tracer: Any, num_envs: int) -> Any:
 def _add_vector_rows(tracer: Any, buffer: Any, ended: np.ndarray) -> int:
     """Add every row ``tracer`` can pop to ``buffer`` in one call (host buffers also get the
     ``episode_end`` marks: the last row of each sub-env whose episode ``ended``)."""
-    if not tracer:
+    try:
+        batch, envs = tracer.pop(return_envs=True)
+    except InsufficientCacheError:  # nothing complete: cheaper than asking first
         return 0
-    batch, envs = tracer.pop(return_envs=True)
     if isinstance(buffer, (SimpleReplayBuffer, PrioritizedReplayBuffer)):
         last = np.append(envs[1:] != envs[:-1], True)
         buffer.add(batch, episode_end=last & ended[envs])

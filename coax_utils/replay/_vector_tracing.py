@@ -9,6 +9,7 @@ sub-env fed the same steps.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -42,6 +43,8 @@ def _shape_error(name: str, what: str, num_envs: int, shape: tuple) -> ValueErro
 
 def _numbers(x: Any, name: str, num_envs: int, dtype: Any) -> np.ndarray:
     """``x`` (one number, or one per sub-env) as finite ``dtype`` numbers of shape (num_envs,)."""
+    if type(x) is float and math.isfinite(x) and abs(x) < _FLOAT32_MAX:  # a default
+        return np.full(num_envs, x, dtype)
     arr = np.asarray(x)
     if arr.dtype.kind in "OSUcMm":
         raise TypeError(f"{name} must hold real numbers, got {x!r:.80}")
