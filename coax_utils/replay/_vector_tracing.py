@@ -409,7 +409,7 @@ class VectorNStep(_VectorTracer):
     Examples
     --------
     >>> import numpy as np
-    >>> tracer = NStep(n=2, gamma=0.5, num_envs=2)
+    >>> tracer = VectorNStep(n=2, gamma=0.5, num_envs=2)  # or NStep(n=2, gamma=0.5, num_envs=2)
     >>> for t in range(3):
     ...     tracer.add(s=np.array([t, 10 + t]), a=np.zeros(2, int), r=np.ones(2),
     ...                done=np.array([t == 2, False]))
