@@ -88,43 +88,82 @@ def round_rows(batch_size: int, num_shards: int) -> int:
     return min(batch_size, math.ceil(mean + 4 * math.sqrt(mean)) + 4)
 
 
+def _pack(tree: Any) -> jax.Array:
+    """Every leaf of ``tree`` (leading axis ``k``) as bytes, side by side: ``(k, W)`` uint8,
+    so that one collective moves them all."""
+    cols = []
+    for x in jax.tree_util.tree_leaves(tree):
+        if x.dtype == jnp.bool_:
+            x = x.astype(jnp.uint8)
+        cols.append(jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[0], -1))
+    return jnp.concatenate(cols, axis=1)
+
+
+def _unpack(packed: jax.Array, template: Any) -> Any:
+    """The inverse of :func:`_pack` for rows shaped like ``template`` (a pytree of
+    ``jax.ShapeDtypeStruct`` with a leading axis)."""
+    leaves, treedef = jax.tree_util.tree_flatten(template)
+    out, start = [], 0
+    k = packed.shape[0]
+    for t in leaves:
+        dtype = jnp.dtype(jnp.uint8 if t.dtype == jnp.bool_ else t.dtype)
+        width = int(np.prod(t.shape[1:], dtype=np.int64)) * dtype.itemsize
+        x = packed[:, start : start + width]
+        start += width
+        shape = (k,) + tuple(t.shape[1:]) + ((dtype.itemsize,) if dtype.itemsize > 1 else ())
+        x = jax.lax.bitcast_convert_type(x.reshape(shape), dtype)
+        out.append(x != 0 if t.dtype == jnp.bool_ else x)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _ranks(owner: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """For each entry, how many earlier entries have the same owner; and the count of
+    entries of each owner."""
+    one_hot = owner[:, None] == jnp.arange(n, dtype=owner.dtype)
+    before = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32)
+    rank = jnp.take_along_axis(before, jnp.clip(owner, 0, n - 1)[:, None], 1)[:, 0] - 1
+    return rank, before[-1]
+
+
 def _serve(
     owner: jax.Array, request: jax.Array, resolve: Callable, axis: str, n: int, rows: int
-) -> Any:
+) -> tuple[Any, jax.Array]:
     """Resolve ``B`` draws on the shards that own them; return this device's ``B / n``.
 
     ``owner`` and ``request`` (shape ``(B,)``) are the same on every device: draw ``p``
-    goes to shard ``owner[p]``, which turns ``request[p]`` into rows with ``resolve`` (a
-    function of ``rows`` requests, returning a pytree of arrays with a leading axis of
-    ``rows``). Device ``d`` returns draws ``d * B / n, ..., (d + 1) * B / n - 1``.
+    goes to shard ``owner[p]``, which turns ``request[p]`` into a row with ``resolve`` (a
+    function of ``rows`` requests returning a pair: a pytree of arrays with a leading axis
+    of ``rows``, and a float32 score per row). Device ``d`` returns draws
+    ``d * B / n, ..., (d + 1) * B / n - 1``, and the smallest score of all ``B`` draws.
+    Each round serves up to ``rows`` draws per shard with one all-gather.
     """
     batch = owner.shape[0]
     me = jax.lax.axis_index(axis)
-    one_hot = owner[:, None] == jnp.arange(n, dtype=owner.dtype)
-    rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0, dtype=jnp.int32), owner[:, None], 1)
-    rank = rank[:, 0] - 1  # the how-many-th draw of its shard each draw is
-    rounds = (jnp.max(jnp.sum(one_hot, axis=0, dtype=jnp.int32)) + rows - 1) // rows
+    rank, counts = _ranks(owner, n)
+    rounds = (jnp.max(counts) + rows - 1) // rows
     share = batch // n
-    mine = jax.lax.dynamic_slice_in_dim(jnp.arange(batch, dtype=jnp.int32), me * share, share)
-    out_owner, out_rank = owner[mine], rank[mine]
+    out_owner = jax.lax.dynamic_slice_in_dim(owner, me * share, share)
+    out_rank = jax.lax.dynamic_slice_in_dim(rank, me * share, share)
     template = jax.eval_shape(resolve, request[:rows])
-    out = jax.tree_util.tree_map(lambda t: jnp.zeros((share,) + t.shape[1:], t.dtype), template)
+    width = _pack(jax.tree_util.tree_map(jnp.zeros_like, template)).shape[1]
+    served_rows = jnp.arange(rows, dtype=jnp.int32)
 
-    def one_round(r: jax.Array, out: Any) -> Any:
+    def one_round(r: jax.Array, carry: tuple) -> tuple:
+        out, low = carry
         first = r * rows
         slot = jnp.where((owner == me) & (rank >= first), rank - first, rows)
         req = jnp.zeros((rows,), request.dtype).at[slot].set(request, mode="drop")
-        served = jax.lax.all_gather(resolve(req), axis)  # leaves (n, rows, ...)
+        served = jax.lax.all_gather(_pack(resolve(req)), axis)  # (n, rows, width)
         here = (out_rank >= first) & (out_rank < first + rows)
-        k = jnp.clip(out_rank - first, 0, rows - 1)
+        got = served[out_owner, jnp.clip(out_rank - first, 0, rows - 1)]
+        out = jnp.where(here[:, None], got, out)
+        score = _unpack(served.reshape(n * rows, width), template)[1].reshape(n, rows)
+        valid = served_rows[None, :] < (counts - first)[:, None]
+        return out, jnp.minimum(low, jnp.min(jnp.where(valid, score, jnp.inf)))
 
-        def pick(x: jax.Array, o: jax.Array) -> jax.Array:
-            got = x[out_owner, k]
-            return jnp.where(here.reshape((share,) + (1,) * (got.ndim - 1)), got, o)
-
-        return jax.tree_util.tree_map(pick, served, out)
-
-    return jax.lax.fori_loop(0, rounds, one_round, out)
+    start = (jnp.zeros((share, width), jnp.uint8), jnp.float32(jnp.inf))
+    out, low = jax.lax.fori_loop(0, rounds, one_round, start)
+    return _unpack(out, template)[0], low
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,14 +357,11 @@ def _build(shard: Any, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
         owner = jnp.minimum(jnp.searchsorted(ends, draw, side="right"), n - 1)
         owner = owner.astype(jnp.int32)
         local = draw - (ends[owner] - sizes[owner])
-        return _serve(
-            owner,
-            local,
-            lambda slots: gather_rows(state.items, slots),
-            axis,
-            n,
-            round_rows(batch_size * n, n),
-        )
+
+        def resolve(slots: jax.Array) -> tuple:
+            return gather_rows(state.items, slots), jnp.zeros(slots.shape, jnp.float32)
+
+        return _serve(owner, local, resolve, axis, n, round_rows(batch_size * n, n))[0]
 
     def shard_sample_prioritized(
         block: Any, key: jax.Array, batch_size: int, beta: Any = None
@@ -347,18 +383,18 @@ def _build(shard: Any, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
         u = jnp.where(mass > 0, (target - (ends[owner] - mass)) / jnp.where(mass > 0, mass, 1), 0)
         me = jax.lax.axis_index(axis)
 
-        def resolve(u: jax.Array) -> Any:
+        def resolve(u: jax.Array) -> tuple:
             slots, value = sum_tree_inverse_cdf(state.tree, u, return_values=True)
-            return dict(
+            row = dict(
                 items=gather_rows(state.items, slots),
                 index=slots + me * rows,
                 value=value,
                 version=slot_versions(state, slots),
             )
+            return row, value
 
-        got = _serve(owner, u, resolve, axis, n, round_rows(batch_size * n, n))
+        got, low = _serve(owner, u, resolve, axis, n, round_rows(batch_size * n, n))
         # (N P)^-beta / max (N P)^-beta == (p / min p)^-beta over the whole batch
-        low = jax.lax.pmin(jnp.min(got["value"]), axis)
         ratio = jnp.where(low > 0, got["value"] / jnp.where(low > 0, low, 1), 1)
         weights = jnp.where(ratio > 1, jnp.power(ratio, -beta_), 1.0)
         return PrioritizedSample(got["items"], got["index"], weights, got["version"])
@@ -368,20 +404,35 @@ def _build(shard: Any, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
     ) -> Any:
         state = _local(block)
         check_pairs_up(priorities, indices, "priorities")
-        indices, valid = checked_indices(indices, capacity)
+        indices = checked_indices(indices, capacity)[0]
         count = indices.shape[0]
         p = jnp.asarray(priorities, jnp.float32).reshape(-1)
         p = jnp.broadcast_to(p, (count,)) if p.shape[0] == 1 else p
+        words = [indices, jax.lax.bitcast_convert_type(p, jnp.int32)]
         if versions is not None:
-            versions = jax.lax.all_gather(checked_versions(versions, indices), axis, tiled=True)
+            words.append(checked_versions(versions, indices))
+        # one all-gather of every device's indices, priorities (and versions)
+        words = jax.lax.all_gather(jnp.stack(words), axis, axis=1, tiled=True)
         me = jax.lax.axis_index(axis)
-        indices = jax.lax.all_gather(indices, axis, tiled=True)
-        valid = jax.lax.all_gather(valid, axis, tiled=True)
-        p = jax.lax.all_gather(p, axis, tiled=True)
-        local = jnp.where(valid & (indices // rows == me), indices - me * rows, -1)
-        new = shard.update(state, local, p, versions)
-        new = new.replace(max_priority=jax.lax.pmax(new.max_priority, axis))
-        return _block(new)
+        mine = (words[0] >= 0) & (words[0] // rows == me)
+        local = words[0] - me * rows
+        rank, counts = _ranks(jnp.where(mine, 0, 1), 2)
+        per_round = round_rows(count * n, n)
+
+        def one_round(r: jax.Array, state: Any) -> Any:
+            # this shard's entries, in their order (the last of duplicates wins)
+            slot = jnp.where(mine & (rank >= r * per_round), rank - r * per_round, per_round)
+
+            def take(x: jax.Array, fill: int) -> jax.Array:
+                return jnp.full((per_round,), fill, x.dtype).at[slot].set(x, mode="drop")
+
+            v = None if versions is None else take(words[2], -1)
+            p = jax.lax.bitcast_convert_type(take(words[1], 0), jnp.float32)
+            return shard.update(state, take(local, -1), p, v)
+
+        rounds = (counts[0] + per_round - 1) // per_round
+        new = jax.lax.fori_loop(0, rounds, one_round, state)
+        return _block(new.replace(max_priority=jax.lax.pmax(new.max_priority, axis)))
 
     # -- whole sharded states --------------------------------------------------------------
 

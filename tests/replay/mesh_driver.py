@@ -8,6 +8,7 @@ Every add, sample and update runs under ``jax.transfer_guard("disallow")``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -50,6 +51,22 @@ def host(x):
     return np.asarray(jax.device_get(x))
 
 
+def synced(buffer):
+    """``buffer`` with calls that wait for their results: XLA's CPU runtime can deadlock when
+    several programs with collectives over forced host devices are in flight on few cores
+    (a plain ``all_gather`` does it too), so no call is dispatched before the last ended."""
+
+    def wait(fn):
+        return lambda *args, **kwargs: jax.block_until_ready(fn(*args, **kwargs))
+
+    return dataclasses.replace(
+        buffer,
+        add=wait(buffer.add),
+        sample=wait(buffer.sample),
+        update=buffer.update and wait(buffer.update),
+    )
+
+
 def fill(buffer, state, ids: np.ndarray, put):
     items = {"id": put(ids.astype(np.int32)), "x": put(np.stack([ids, -ids], 1).astype(np.float32))}
     with jax.transfer_guard("disallow"):
@@ -63,7 +80,7 @@ def main(folder: str) -> None:
     rows = CAPACITY // n
     example = {"id": jnp.int32(0), "x": jnp.zeros(2, jnp.float32)}
     big = make_prioritized_buffer(CAPACITY, alpha=ALPHA, beta=BETA, epsilon=EPS)
-    mb = shard_buffer(big, mesh, "data")
+    mb = synced(shard_buffer(big, mesh, "data"))
     put = lambda x: jax.device_put(x, mb.batch_sharding)  # noqa: E731
     keys = [
         jax.device_put(k, mb.replicated) for k in jax.random.split(jax.random.key(0), DRAWS + 8)
@@ -127,7 +144,7 @@ def main(folder: str) -> None:
     np.testing.assert_array_equal(host(stale.tree.nodes), host(later.tree.nodes))
 
     # -- uniform: per shard and over the whole mesh ---------------------------------------
-    ub = shard_buffer(make_uniform_buffer(CAPACITY), mesh, "data")
+    ub = synced(shard_buffer(make_uniform_buffer(CAPACITY), mesh, "data"))
     ustate = fill(ub, ub.init(example), ids, put)
     ustored = host(ustate.items["id"]).reshape(n, rows)
     counts_mesh, counts_shard = np.zeros(48), np.zeros(48)
@@ -159,7 +176,7 @@ def main(folder: str) -> None:
     donated = mb.put(jax.device_get(state))
     items = {"id": put(np.arange(n, dtype=np.int32)), "x": put(np.zeros((n, 2), np.float32))}
     with jax.transfer_guard("disallow"):
-        donated, got = step(donated, items, keys[0])
+        donated, got = jax.block_until_ready(step(donated, items, keys[0]))
     assert host(donated.size).tolist() == (host(state.size) + 1).tolist() and got.shape == (4 * n,)
 
     # -- checkpoints: dump/load and the manager continue the same stream ------------------
