@@ -31,11 +31,23 @@ Measured, round robin within each table, medians with min-max over the repetitio
      one run (60 s by default) whose writers and learner switch speeds half way, against
      the band its error buffer allows.
 
+5. Chunked writes (``--chunked`` runs only these; with ``--inserts`` only the first):
+
+   - CPU per inserted transition (writers, shard and rate limiter processes, from their CPU
+     times read with ``psutil``) and insert throughput of 2 writers into one shard, behind a
+     rate limiter that never holds inserts back and without one: today's direct adds of
+     batches of 32 (2 calls in flight) against a
+     :class:`~coax_utils.distributed.ReplayWriter` that buffers the same batches into chunks
+     of ``--chunk-sizes`` transitions (one call and one buffer add per chunk);
+   - the learner wait per step of part 4 and the rate limiter run of part 4 with the writers
+     adding through a ReplayWriter.
+
 Every variant is checked: the server counts exactly the transitions the writers pushed, and
 sampled batches hold pushed transitions.
 
 Run: ``python benchmarks/bench_distributed.py`` (``--quick`` for a few-second smoke run,
 ``--sharded`` for section 4 only, ``--ratio`` for its rate limiter run only,
+``--chunked`` for section 5 only,
 ``--ratio-seconds`` for that run's length).
 """
 
@@ -659,7 +671,7 @@ def bench_chunked_inserts(reps: int, seconds: float, chunk_sizes: tuple[int, ...
         f"(median {statistics.median(loads):.1f}), {psutil.cpu_count()} cores"
     )
     print(
-        f"{'variant':46s} {'transitions/s (min - max)':>32s} {'x today':>7s}  CPU us per "
+        f"{'variant':52s} {'transitions/s (min - max)':>32s} {'x today':>7s}  CPU us per "
         f"transition: {' + '.join(roles)} = total  {'/ today':>7s}"
     )
     for name in variants:
@@ -669,7 +681,7 @@ def bench_chunked_inserts(reps: int, seconds: float, chunk_sizes: tuple[int, ...
         speed = statistics.median(rates[name]) / statistics.median(rates[base])
         cpu_ratio = statistics.median(per_row[name]) / statistics.median(per_row[base])
         print(
-            f"{name:46s} {fmt_rate(rates[name]):>32s} {speed:7.2f}  "
+            f"{name:52s} {fmt_rate(rates[name]):>32s} {speed:7.2f}  "
             f"{' + '.join(f'{p:5.2f}' for p in parts)} = {total:6.2f}  {cpu_ratio:7.3f}"
         )
     print("goals: CPU per transition <= 0.25 of today's, throughput >= 3x today's")

@@ -22,6 +22,7 @@ from coax_utils.distributed._manifest import (
 )
 from coax_utils.distributed._pending import PendingReply
 from coax_utils.distributed._shard import ReplayShard, ReplayShardError, check_buffers
+from coax_utils.distributed._writer import ReplayWriter
 from coax_utils.replay import TransitionBatch
 
 __all__ = ["PendingReply", "ReplayShardError", "ShardedReplay"]
@@ -255,7 +256,7 @@ class ShardedReplay:
         chunk_size: int = 256,
         max_delay: float | None = 1.0,
         interrupt: Callable[[], bool] | None = None,
-    ) -> Any:
+    ) -> ReplayWriter:
         """A :class:`ReplayWriter` into one shard (None: the next one, round robin): adds are
         buffered into chunks of ``chunk_size`` transitions, one call per chunk.
 
@@ -264,8 +265,6 @@ class ShardedReplay:
         above the rate limiter's :meth:`~RateLimiter.max_insert` included) before anything
         is sent.
         """
-        from coax_utils.distributed._writer import ReplayWriter
-
         if shard is None:
             shard = self._next_shard
             self._next_shard = (self._next_shard + 1) % self.num_shards
