@@ -298,7 +298,7 @@ class RolloutWorker(RemoteClass):
         """The one place traced transitions leave the worker: they wait until ``batch_size``
         are pending, then go to the server in pushes of ``batch_size``."""
         self._pending.append(batch)
-        self._num_pending += batch.batch_size
+        self._num_pending += len(batch.Rn)  # the recorder built it: its rows line up
         size = self._batch_size
         while self._num_pending >= size:
             pending = TransitionBatch.concatenate(*self._pending)
