@@ -42,7 +42,8 @@ class ShardedReplay:
 
     - **Adds** go to one shard per call: round robin over the shards by default, or the
       shard a writer names (``shard=writer_id % num_shards``, "by writer"; a
-      :class:`RolloutWorker` given ``replay.shards[i]`` does the same).
+      :class:`RolloutWorker` given ``replay.shards[i]`` does the same). A writer that
+      buffers its transitions into chunks, one call per chunk, is :meth:`writer`.
     - **Sampling is exact, in one round trip.** Each shard draws a little more than its
       expected share of the batch with its own buffer and replies with its total priority
       :math:`T_s`; the client then draws the number of transitions taken from each shard
