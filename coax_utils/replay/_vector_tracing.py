@@ -316,11 +316,13 @@ class _VectorTracer:
         pos: np.ndarray,
         returns: np.ndarray,
         factor: np.ndarray,
-        next_pos: np.ndarray | None,
+        next_pos: np.ndarray,
+        final: np.ndarray | None,
     ) -> TransitionBatch:
-        """The popped rows: ``next_pos`` is the slot of ``S_next`` (where ``factor`` > 0 and
-        the window does not reach the end of a truncated episode), None where no row has
-        one."""
+        """The popped rows: the step of sub-env ``env`` at slot ``pos`` with its return and
+        bootstrap factor; ``S_next``, ``A_next`` and ``logP_next`` from slot ``next_pos``
+        (``pos`` itself for the placeholders after a termination), or from the final
+        observation where the bool mask ``final`` is True (after a truncation)."""
         with np.errstate(over="ignore"):
             rn = returns.astype(np.float32)
         if not np.isfinite(rn).all():
@@ -328,46 +330,20 @@ class _VectorTracer:
                 f"a discounted return overflows float32 (sub-envs "
                 f"{np.unique(env[~np.isfinite(rn)]).tolist()}); nothing was popped"
             )
-        S = self._gather(self._s, env, pos)
-        A = self._gather(self._a, env, pos)
-        logp = self._logp[env, pos]
-        full = np.zeros(env.size, bool) if next_pos is None else next_pos >= 0
-        if full.all():  # every row bootstraps from a step held
-            return TransitionBatch(
-                S=self._s_def.unflatten(S),
-                A=self._a_def.unflatten(A),
-                logP=logp,
-                Rn=rn,
-                In=factor.astype(np.float32),
-                S_next=self._s_def.unflatten(self._gather(self._s, env, next_pos)),
-                A_next=self._a_def.unflatten(self._gather(self._a, env, next_pos)),
-                logP_next=self._logp[env, next_pos],
-                W=self._w[env, pos],
-            )
-        trunc = self._truncated[env]
-        end = ~full
-        S_next = [x.copy() for x in S]
-        A_next = [x.copy() for x in A]
-        logp_next = logp.copy()
-        if full.any():
-            e, p = env[full], next_pos[full]
-            for out, b in zip(S_next, self._s):
-                out[full] = b[e, p]
-            for out, b in zip(A_next, self._a):
-                out[full] = b[e, p]
-            logp_next[full] = self._logp[e, p]
-        tr = end & trunc
-        if tr.any():
-            e = env[tr]
+        S_next = self._gather(self._s, env, next_pos)
+        A_next = self._gather(self._a, env, next_pos)
+        logp_next = self._logp[env, next_pos]
+        if final is not None and final.any():
+            e = env[final]
             for out, b in zip(S_next, self._final_s):
-                out[tr] = b[e]
+                out[final] = b[e]
             for out, b in zip(A_next, self._final_a):
-                out[tr] = b[e]
-            logp_next[tr] = self._final_logp[e]
+                out[final] = b[e]
+            logp_next[final] = self._final_logp[e]
         return TransitionBatch(
-            S=self._s_def.unflatten(S),
-            A=self._a_def.unflatten(A),
-            logP=logp,
+            S=self._s_def.unflatten(self._gather(self._s, env, pos)),
+            A=self._a_def.unflatten(self._gather(self._a, env, pos)),
+            logP=self._logp[env, pos],
             Rn=rn,
             In=factor.astype(np.float32),
             S_next=self._s_def.unflatten(S_next),
@@ -421,10 +397,19 @@ class VectorNStep(_VectorTracer):
     def __init__(self, n: int, gamma: float, num_envs: int) -> None:
         self.n = check_int(n, "n", low=1, high=_MAX_N)
         self._gammas = np.power(_gamma(gamma), np.arange(self.n + 1))
+        self._offsets = np.arange(self.n)
         super().__init__(gamma, num_envs)
 
     def _initial_capacity(self) -> int:
         return self.n + 1
+
+    def _sum(self, terms: np.ndarray) -> np.ndarray:
+        """Row sums of ``terms`` (rows, at most n) in NStep's order of summation: bit for
+        bit."""
+        out = np.zeros(len(terms))
+        for m in range(terms.shape[1]):
+            out = out + terms[:, m]
+        return out
 
     def _available(self) -> np.ndarray:
         ended = self._terminated | self._truncated
@@ -461,11 +446,10 @@ class VectorNStep(_VectorTracer):
                     f"no sub-env holds more than n={n} steps or an ended episode yet"
                 )
             start = self._start[env]
-            returns = np.zeros(env.size)
-            for m in range(n):  # the order of summation of NStep: bit for bit
-                returns = returns + self._gammas[m] * self._r[env, (start + m) % cap]
+            window = self._r[env[:, None], (start[:, None] + self._offsets) % cap]
+            returns = self._sum(window * self._gammas[:n])
             factor = np.full(env.size, self._gammas[n])
-            batch = self._batch(env, start, returns, factor, (start + n) % cap)
+            batch = self._batch(env, start, returns, factor, (start + n) % cap, None)
             self._start[env] = (start + 1) % cap
             self._count[env] -= 1
             return (batch, env) if return_envs else batch
@@ -475,16 +459,18 @@ class VectorNStep(_VectorTracer):
                 f"no sub-env holds more than n={n} steps or an ended episode yet"
             )
         env, j = self._rows(avail)
-        start, c0 = self._start[env], self._count[env]
+        first, c0 = self._start[env] + j, self._count[env]
         k = np.minimum(n, c0 - j)
-        returns = np.zeros(env.size)
-        for m in range(int(k.max())):  # the order of summation of NStep: bit for bit
-            r = self._r[env, (start + j + m) % cap]
-            returns = returns + np.where(m < k, self._gammas[m] * r, 0.0)
+        steps = self._offsets[: int(k.max())]  # the longest window popped
+        window = self._r[env[:, None], (first[:, None] + steps) % cap]
+        terms = window * self._gammas[: steps.size]
+        returns = self._sum(np.where(steps < k[:, None], terms, 0.0))
         full = c0 - j - 1 >= n
-        factor = np.where(full, self._gammas[n], np.where(self._truncated[env], self._gammas[k], 0))
-        next_pos = np.where(full, (start + j + n) % cap, -1)
-        batch = self._batch(env, (start + j) % cap, returns, factor, next_pos)
+        trunc = self._truncated[env]
+        factor = np.where(full, self._gammas[n], np.where(trunc, self._gammas[k], 0))
+        pos = first % cap
+        next_pos = np.where(full, (first + n) % cap, pos)
+        batch = self._batch(env, pos, returns, factor, next_pos, trunc & ~full)
         self._start = (self._start + avail) % cap
         self._count -= avail
         return (batch, env) if return_envs else batch
@@ -542,7 +528,8 @@ class VectorMonteCarlo(_VectorTracer):
             g[live] = self._r[e, (self._start[e] + avail[e] - 1 - m) % cap] + self.gamma * g[live]
             returns[row] = g[live]
             factor[row] = np.where(self._truncated[e], self.gamma ** (m + 1), 0.0)
-        batch = self._batch(env, (start + t) % cap, returns, factor, None)
+        pos = (start + t) % cap
+        batch = self._batch(env, pos, returns, factor, pos, self._truncated[env])
         self._start = (self._start + avail) % cap
         self._count -= avail
         return (batch, env) if return_envs else batch
