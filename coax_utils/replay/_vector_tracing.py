@@ -103,6 +103,7 @@ class _VectorTracer:
     def __init__(self, gamma: float, num_envs: int) -> None:
         self.gamma = _gamma(gamma)
         self.num_envs = check_int(num_envs, "num_envs", low=1)
+        self._all = np.arange(self.num_envs)
         self.reset()
 
     def reset(self, mask: Any = None) -> None:
@@ -278,19 +279,23 @@ class _VectorTracer:
             self._truncated[restart] = False
             self._start[restart] = 0
         if all_active:
-            rows = np.arange(E)
+            rows = self._all
             values = [*s_leaves, *a_leaves, r, logp, w]
+            if self._count.max() >= self._cap:
+                self._grow()
+            pos = (self._start + self._count) % self._cap
+            self._count += 1
         else:
             rows = np.flatnonzero(active)
             if rows.size == 0:
                 return
             values = [x[rows] for x in (*s_leaves, *a_leaves, r, logp, w)]
-        if (self._count[rows] >= self._cap).any():
-            self._grow()
-        pos = (self._start[rows] + self._count[rows]) % self._cap
+            if self._count[rows].max() >= self._cap:
+                self._grow()
+            pos = (self._start[rows] + self._count[rows]) % self._cap
+            self._count[rows] += 1
         for b, x in zip([*self._s, *self._a, self._r, self._logp, self._w], values):
             b[rows, pos] = x
-        self._count[rows] += 1
         self._terminated |= done
         self._truncated |= truncated
         if trunc_rows.size:
