@@ -182,7 +182,8 @@ def next_observations(
     ``GymnaxToVectorGymWrapper`` gives every sub-env's, batched, in
     ``info["final_observation"]`` (which then replaces ``obs`` whole), gymnasium's
     ``SAME_STEP`` vector envs those of the ended sub-envs in ``info["final_obs"]`` (a loop
-    over the ended sub-envs only). ``mode`` is the env's :func:`autoreset_mode`.
+    over the ended sub-envs only). ``mode`` is the env's autoreset mode ("NextStep",
+    "SameStep" or "Disabled").
     """
     if isinstance(info, dict) and "final_observation" in info:
         return _copy_tree(info["final_observation"]), True
@@ -274,8 +275,9 @@ class RecordVectorTransitions(gymnasium.vector.VectorWrapper):
 
     @property
     def autoreset_mode(self) -> str:
-        """The env's autoreset mode: "NextStep", "SameStep" or "Disabled" (see
-        :func:`autoreset_mode`)."""
+        """The env's autoreset mode: "NextStep", "SameStep" or "Disabled" (gymnasium's
+        vector envs declare it in their metadata; before gymnasium 1.1 all are
+        "NextStep")."""
         return self._mode
 
     def reset(self, **kwargs: Any) -> tuple[Any, dict]:
