@@ -3,6 +3,7 @@ mid-chunk, flushing on close and after max_delay, and refused arguments."""
 
 import itertools
 import pickle
+import threading
 import time
 
 import numpy as np
@@ -238,6 +239,32 @@ def test_bad_arguments_are_refused_before_anything_is_sent(ray_cluster, shared):
     assert writer.flush() == 7
     assert _by_writer(_rows(ray, server), 60) == list(range(7))
     writer.close()
+
+
+def test_a_stop_flag_interrupts_a_writer_held_by_the_rate_limiter(ray_cluster):
+    ray = ray_cluster
+    limiter = RateLimiter.remote(min_size_to_sample=10, samples_per_insert=1.0, error_buffer=10.0)
+    replay = ShardedReplay([SimpleReplayBuffer(100)], rate_limiter=limiter)
+    stop = threading.Event()
+    writer = replay.writer(chunk_size=10, max_delay=None, interrupt=stop.is_set)
+    assert writer.timeout is None  # the client's timeout plus insert_timeout (None)
+    # inserts run up to 20 (r I - S <= r m + e): chunk 3 waits at the limiter, chunk 4 is
+    # held back, and a fifth full chunk makes add wait until the stop flag is raised
+    threading.Timer(0.5, stop.set).start()
+    writer.add(make_batch(70, 0, 50))
+    assert stop.is_set() and writer.num_acknowledged == 20 and writer.num_unacknowledged == 30
+    with pytest.raises(TimeoutError, match="interrupted"):
+        writer.flush()
+    stop.clear()
+    with pytest.raises(TimeoutError, match="did not come within 0.2 s"):
+        writer.flush(timeout=0.2)
+    for _ in range(3):  # the learner samples: the held chunks go in, in order
+        replay.sample(10, timeout=30)
+    assert writer.flush(timeout=60) == 50
+    writer.close()
+    assert _by_writer(_rows(ray, replay.shards[0]), 70) == list(range(50))
+    for actor in (limiter, *replay.shards):
+        ray.kill(actor)
 
 
 def test_server_errors_surface_at_the_next_call(ray_cluster):
