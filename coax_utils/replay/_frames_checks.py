@@ -7,7 +7,8 @@ by their own ``__checkpoint_check__``); the states' ``__checkpoint_check__`` met
 ``update`` calls can produce: one whose stacks would be rebuilt from frames they do not own,
 or whose transitions that lost frames would still be sampled. The checks run on host copies
 of the ids and counters (never of the frames), with any leading batch axes of a
-:func:`jax.vmap` of buffers.
+:func:`jax.vmap` of buffers; a refusal of a value names the batch position of the first
+buffer at fault.
 
 Invariants (per buffer of the batch; ``C`` the capacity, ``F`` the number of rows of
 ``frames``, ``M = F * (2**30 // F)`` the modulus of frame ids and ``age(i) = (frame_count -
@@ -36,26 +37,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
 
+from coax_utils.replay._batch_checks import ARRAY_TYPES, host_array, refuse_if
 from coax_utils.replay._frames_ring import COUNTER_SPAN as _SPAN
 
 __all__ = ["check_frame_state"]
-
-_ARRAY_TYPES = (np.ndarray, np.generic, jax.Array)
-
-
-def _array(x: Any, name: str, dtype: Any, shape: tuple | None = None) -> np.ndarray:
-    """``x`` as a host array, refused unless it has ``dtype`` (and ``shape``)."""
-    if not isinstance(x, _ARRAY_TYPES):
-        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
-    if np.dtype(x.dtype) != np.dtype(dtype) or (shape is not None and tuple(x.shape) != shape):
-        want = "" if shape is None else f" of shape {shape}"
-        raise ValueError(
-            f"{name} must be {np.dtype(dtype)}{want}, got {x.dtype} of shape {tuple(x.shape)}"
-        )
-    return np.asarray(x)
 
 
 def check_frame_state(state: Any, transitions_type: type) -> None:
@@ -72,9 +59,9 @@ def check_frame_state(state: Any, transitions_type: type) -> None:
     ids = []
     for name in ("S", "S_next"):
         x = getattr(stored.items, name, None)
-        if not isinstance(x, _ARRAY_TYPES) or x.ndim != len(batch) + 2:
+        if not isinstance(x, ARRAY_TYPES) or x.ndim != len(batch) + 2:
             raise ValueError(f"transitions.items.{name} must be an array of frame ids (C, k)")
-        ids.append(_array(x, f"transitions.items.{name}", np.int32))
+        ids.append(host_array(x, f"transitions.items.{name}", np.int32))
     k = ids[0].shape[-1]
     if k < 1 or ids[1].shape != ids[0].shape:
         raise ValueError(
@@ -82,7 +69,7 @@ def check_frame_state(state: Any, transitions_type: type) -> None:
             f"{ids[0].shape} and {ids[1].shape}"
         )
     frames = state.frames
-    if not isinstance(frames, _ARRAY_TYPES) or frames.ndim < len(batch) + 1:
+    if not isinstance(frames, ARRAY_TYPES) or frames.ndim < len(batch) + 1:
         raise ValueError("frames must be an array with a row per frame")
     F = int(frames.shape[len(batch)])
     if tuple(frames.shape[: len(batch)]) != batch or not 2 * k <= F <= _SPAN // 4:
@@ -93,23 +80,33 @@ def check_frame_state(state: Any, transitions_type: type) -> None:
     M = F * (_SPAN // F)
     if 4 * (2 * k * C + F) > M:
         raise ValueError(f"capacity {C} with frame_capacity {F} overflows the 32-bit counters")
-    count = _array(state.frame_count, "frame_count", np.int32, batch).astype(np.int64)
+    count = host_array(state.frame_count, "frame_count", np.int32, batch).astype(np.int64)
     table_id = state.table_id
     T = int(np.shape(table_id)[-1]) if np.ndim(table_id) == len(batch) + 1 else 0
     if T < 8192 or T & (T - 1):
         raise ValueError(f"the table must have a power of two (>= 8192) entries, got {T}")
-    table_id = _array(table_id, "table_id", np.int32, batch + (T,))
-    _array(state.table_hash, "table_hash", np.uint32, batch + (T, 2))
-    if np.any((count < 0) | (count >= M)) or np.any((table_id < -1) | (table_id >= M)):
-        raise ValueError(f"frame_count and the table's frame ids must lie in [0, {M})")
+    table_id = host_array(table_id, "table_id", np.int32, batch + (T,))
+    host_array(state.table_hash, "table_hash", np.uint32, batch + (T, 2))
+    nb = len(batch)
+    refuse_if(
+        (count < 0) | (count >= M) | np.any((table_id < -1) | (table_id >= M), axis=-1),
+        nb,
+        f"frame_count and the table's frame ids must lie in [0, {M})",
+    )
     size = np.asarray(stored.size).astype(np.int64)
     filled = np.arange(C) < size[..., None]
     both = np.concatenate(ids, axis=-1).astype(np.int64)
-    if np.any(filled[..., None] & ((both < 0) | (both >= M))):
-        raise ValueError(f"the frame ids of stored transitions must lie in [0, {M})")
+    refuse_if(
+        filled[..., None] & ((both < 0) | (both >= M)),
+        nb,
+        f"the frame ids of stored transitions must lie in [0, {M})",
+    )
     age = (count[..., None, None] - both) % M
-    if np.any(filled[..., None] & (age > M // 4)):
-        raise ValueError("a stored transition refers to a frame not stored yet")
+    refuse_if(
+        filled[..., None] & (age > M // 4),
+        nb,
+        "a stored transition refers to a frame not stored yet",
+    )
     if not hasattr(state, "birth"):
         return
     _check_prioritized(state, batch, C, k, F, M, count, filled, age)
@@ -120,36 +117,50 @@ def _check_prioritized(
 ) -> None:
     stored = state.transitions
     A = C * (_SPAN // C)
-    window = _array(state.window, "window", np.int32, batch).astype(np.int64)
-    added = _array(state.added, "added", np.int32, batch).astype(np.int64)
-    frontier = _array(state.frontier, "frontier", np.int32, batch).astype(np.int64)
-    birth = _array(state.birth, "birth", np.int32, batch + (C,)).astype(np.int64)
-    if np.any((window < 0) | (window > F - 2 * k)):
-        raise ValueError(f"window must lie in [0, frame_capacity - 2 * stack_size = {F - 2 * k}]")
-    if np.any((added < 0) | (added >= A)) or np.any((frontier < 0) | (frontier >= A)):
-        raise ValueError(f"added and frontier must lie in [0, {A})")
+    window = host_array(state.window, "window", np.int32, batch).astype(np.int64)
+    added = host_array(state.added, "added", np.int32, batch).astype(np.int64)
+    frontier = host_array(state.frontier, "frontier", np.int32, batch).astype(np.int64)
+    birth = host_array(state.birth, "birth", np.int32, batch + (C,)).astype(np.int64)
+    nb = len(batch)
+    refuse_if(
+        (window < 0) | (window > F - 2 * k),
+        nb,
+        f"window must lie in [0, frame_capacity - 2 * stack_size = {F - 2 * k}]",
+    )
+    refuse_if(
+        (added < 0) | (added >= A) | (frontier < 0) | (frontier >= A),
+        nb,
+        f"added and frontier must lie in [0, {A})",
+    )
     pos, size = np.asarray(stored.pos).astype(np.int64), np.asarray(stored.size).astype(np.int64)
-    if np.any(added % C != pos) or np.any((size < C) & (added != size)):
-        raise ValueError("added must be the number of transitions added (modulo the capacity)")
-    if np.any((birth < 0) | (birth >= M)):
-        raise ValueError(f"birth must lie in [0, {M})")
+    refuse_if(
+        (added % C != pos) | ((size < C) & (added != size)),
+        nb,
+        "added must be the number of transitions added (modulo the capacity)",
+    )
+    refuse_if((birth < 0) | (birth >= M), nb, f"birth must lie in [0, {M})")
     born = (count[..., None] - birth) % M  # frames stored since each transition was added
-    if np.any(filled & (born > M // 4)):
-        raise ValueError("a stored transition was added after the newest frame")
+    refuse_if(filled & (born > M // 4), nb, "a stored transition was added after the newest frame")
     # the stored transitions oldest first: slots pos - size, ..., pos - 1 (modulo C)
     in_order = np.take_along_axis(born, ((pos - size)[..., None] + np.arange(C)) % C, axis=-1)
-    if np.any(filled[..., 1:] & (in_order[..., 1:] > in_order[..., :-1])):
-        raise ValueError("birth must not decrease from the oldest transition to the newest")
+    refuse_if(
+        filled[..., 1:] & (in_order[..., 1:] > in_order[..., :-1]),
+        nb,
+        "birth must not decrease from the oldest transition to the newest",
+    )
     lo, hi = born[..., None] - 2 * k, born[..., None] + window[..., None, None]
-    if np.any(filled[..., None] & ((age <= lo) | (age > hi))):
-        raise ValueError("a transition refers to frames outside [birth - window, birth + 2 k)")
+    refuse_if(
+        filled[..., None] & ((age <= lo) | (age > hi)),
+        nb,
+        "a transition refers to frames outside [birth - window, birth + 2 k)",
+    )
     tree = stored.tree
     values = np.asarray(tree.nodes)[..., tree.num_leaves : tree.num_leaves + C]
     lost = (age > F).any(axis=-1)
     newer = 1 + (pos[..., None] - 1 - np.arange(C)) % C  # 1: the newest, size: the oldest
     behind = newer > ((added - frontier) % A)[..., None]
-    bad = filled & (lost | behind) & (values != 0)
-    if np.any(bad):
-        raise ValueError(
-            "a transition that lost frames (or is older than the frontier) has a priority"
-        )
+    refuse_if(
+        filled & (lost | behind) & (values != 0),
+        nb,
+        "a transition that lost frames (or is older than the frontier) has a priority",
+    )
