@@ -667,7 +667,7 @@ def bench_chunked_inserts(reps: int, seconds: float, chunk_sizes: tuple[int, ...
     assert counts["inserts"] == limited.num_added()  # the limiter counted every row
     print(
         f"\nInserts into one shard, 2 writers pushing batches of {BATCH}, {reps} runs of "
-        f"{seconds:.0f} s round robin; load average {min(loads):.1f} - {max(loads):.1f} "
+        f"{seconds:g} s round robin; load average {min(loads):.1f} - {max(loads):.1f} "
         f"(median {statistics.median(loads):.1f}), {psutil.cpu_count()} cores"
     )
     print(
