@@ -33,6 +33,16 @@ BATCH = 64  # rows per sample (divisible by 1, 2 and 8)
 P_MIN = 1e-4  # chi-square p-values below this fail (seeds are fixed: no flakiness)
 
 
+COMPILES = [0]
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: (
+        COMPILES.__setitem__(0, COMPILES[0] + 1)
+        if event == "/jax/core/compile/backend_compile_duration"
+        else None
+    )
+)
+
+
 def chi_square(counts: np.ndarray, probs: np.ndarray, what: str) -> None:
     expected = probs / probs.sum() * counts.sum()
     keep = expected > 0
@@ -114,6 +124,8 @@ def main(folder: str) -> None:
     counts, counts_one = np.zeros(48), np.zeros(48)
     with jax.transfer_guard("disallow"):
         for k in range(DRAWS):
+            if k == 1:
+                compiled = COMPILES[0]
             s = mb.sample(state, keys[k], BATCH)
             got_ids = host(s.items["id"])
             np.testing.assert_array_equal(stored[host(s.indices)], got_ids)
@@ -123,6 +135,7 @@ def main(folder: str) -> None:
             w = (48 * p[got_ids] / p.sum()) ** -BETA
             np.testing.assert_allclose(host(s.weights), w / w.max(), rtol=1e-5)
             assert s.indices.sharding.is_equivalent_to(mb.batch_sharding, 1)
+    assert COMPILES[0] == compiled, "a second sample call compiled again"
     for k in range(DRAWS):
         counts_one += np.bincount(np.asarray(big.sample(one, keys[k], BATCH).indices), minlength=48)
     chi_square(counts, p, "sharded prioritized sample")
