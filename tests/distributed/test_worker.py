@@ -377,6 +377,9 @@ def test_vector_worker_pushes_what_one_tracer_per_sub_env_traces(ray_cluster, ki
     ray = ray_cluster
     server = ReplayServer.remote(SimpleReplayBuffer(capacity=1000))
     if kind == "gymnasium":
+        for bad in (0, 2.0):
+            with pytest.raises((TypeError, ValueError), match="num_envs"):
+                RolloutWorker.remote(ENV, uniform_batch, server, 0, num_envs=bad)
         env_fn, policy, num_envs = ENV, uniform_batch, 4
         local = gymnasium.make_vec(ENV, num_envs=4)
     else:
