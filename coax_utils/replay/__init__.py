@@ -23,6 +23,7 @@ from coax_utils.replay._minari import fill_from_minari
 from coax_utils.replay._minari import save_as_minari
 from coax_utils.replay._record import RecordTransitions
 from coax_utils.replay._record import RecordVectorTransitions
+from coax_utils.replay._record import next_observations
 from coax_utils.replay._seq_common import SequenceReplaySample
 from coax_utils.replay._seq_functional import PrioritizedSequenceBuffer
 from coax_utils.replay._seq_functional import PrioritizedSequenceBufferState
@@ -39,6 +40,8 @@ from coax_utils.replay._tracing import InsufficientCacheError
 from coax_utils.replay._tracing import MonteCarlo
 from coax_utils.replay._tracing import NStep
 from coax_utils.replay._transition import TransitionBatch
+from coax_utils.replay._vector_tracing import VectorMonteCarlo
+from coax_utils.replay._vector_tracing import VectorNStep
 
 from coax_utils.utils import register_checkpoint_type as _register
 
@@ -72,6 +75,8 @@ __all__ = [
     "TransitionBatch",
     "UniformBuffer",
     "UniformBufferState",
+    "VectorMonteCarlo",
+    "VectorNStep",
     "fill_from_minari",
     "frame_fingerprints",
     "get_transition_batch",
@@ -80,6 +85,7 @@ __all__ = [
     "make_prioritized_frame_stack_buffer",
     "make_prioritized_sequence_buffer",
     "make_uniform_buffer",
+    "next_observations",
     "save_as_minari",
 ]
 
