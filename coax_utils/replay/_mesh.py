@@ -440,8 +440,10 @@ def _build(shard: Any, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
         state = shard.init(example)
         return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), state)
 
+    compiled_init = jax.jit(stacked, out_shardings=NamedSharding(mesh, spec))
+
     def init(example_item: Any) -> Any:
-        return jax.jit(stacked, out_shardings=NamedSharding(mesh, spec))(example_item)
+        return compiled_init(example_item)
 
     def add(state: Any, items: Any, episode_end: Any = None) -> Any:
         for x in jax.tree_util.tree_leaves(items):
