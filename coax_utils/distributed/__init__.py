@@ -14,6 +14,7 @@ from coax_utils.distributed._server import ReplayServer
 from coax_utils.distributed._shard import ReplayShardError
 from coax_utils.distributed._sharded import PendingReply, ShardedReplay
 from coax_utils.distributed._worker import RolloutWorker
+from coax_utils.distributed._writer import ReplayWriter
 
 __all__ = [
     "ParameterServer",
@@ -22,6 +23,7 @@ __all__ = [
     "RateLimiter",
     "ReplayServer",
     "ReplayShardError",
+    "ReplayWriter",
     "RolloutWorker",
     "ShardedReplay",
 ]
