@@ -12,10 +12,18 @@ Sections:
    period (40) and batch (32), 8 sub-envs: add one step of every sub-env, sample 32 windows
    by priority, update their priorities; ``make_prioritized_sequence_buffer`` against
    flashbax's ``make_prioritised_trajectory_buffer`` (which stores the LSTM state with every
-   step, as it has no windows to store it with). 200 steps per jitted ``lax.scan``, state
-   donated. Goal: flashbax's time at least 1.5x ours.
+   step, as it has no windows to store it with). Both buffers are first filled to capacity
+   through their own jitted ``add`` (the steady state of a training run: samples read
+   windows from all over the buffer, not from a few recent ones still in the caches). Both
+   steps read the same things of a sample, as a learner's loss does: every step's
+   observation, action and reward, the LSTM state at each window's start and the importance
+   weights (flashbax returns probabilities: the weights are computed from them); bounded
+   TD errors come from them, and the priorities are R2D2's mixture (computed by ``update``
+   for ours, by the step for flashbax). 200 steps per jitted ``lax.scan``, state donated
+   (both allow it), a warm-up call, then rounds alternating the two, medians. Goal:
+   flashbax's time at least 1.5x ours.
 
-The buffers are filled through their public state (a checkpoint state for the host buffer,
+Section 1's buffers are filled through their public state (a checkpoint state for the host buffer,
 the state pytree for the jittable one): adding 10^7 steps one by one would take minutes
 without changing what a sample costs. Usage: ``python benchmarks/bench_sequences.py
 [--quick]`` (``--quick``: 10^4 to 10^6 steps, shorter timings).
@@ -120,25 +128,32 @@ def section_1(sizes: list[int], reps: int, rep_seconds: float) -> None:
         del held, variants
 
 
+def _steps_at(i: jax.Array) -> tuple:
+    """The steps and LSTM states of every sub-env at add number ``i`` (all distinct)."""
+    obs = (i * E + jnp.arange(E, dtype=jnp.int32)).astype(jnp.float32)
+    steps = {
+        "obs": obs[:, None] + jnp.arange(4, dtype=jnp.float32),
+        "action": (i + jnp.arange(E, dtype=jnp.int32)) % 3,
+        "reward": jnp.full((E,), 0.5, jnp.float32),
+    }
+    core = (jnp.broadcast_to(obs[:, None], (E, H)), jnp.broadcast_to(-obs[:, None], (E, H)))
+    return steps, core
+
+
+def _td_errors(obs, action, reward, core_sum, weights) -> jax.Array:
+    """What a learner's loss reads of a sample, reduced to bounded TD errors ``(B, L)``: every
+    step's observation, action and reward, the core state at each window's start and the
+    importance weights (the same arithmetic for both buffers)."""
+    x = obs.sum(-1) * 0.618 + action + reward + (core_sum + weights)[:, None]
+    return x - jnp.floor(x) - 0.5
+
+
 def section_2(num_steps: int, iterations: int, reps: int, rep_seconds: float) -> None:
     import flashbax
 
     windows = num_steps // P
-    ours = make_prioritized_sequence_buffer(windows, L, P, L - P, E, alpha=0.6)
-    core = (jnp.zeros(H), jnp.zeros(H))
-    step = jax.tree_util.tree_map(jnp.asarray, example_step())
-    steps_e = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (E,) + x.shape), step)
-    core_e = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (E,) + x.shape), core)
-
-    def ours_loop(state, key):
-        def body(state, key):
-            state = ours.add(state, steps_e, core_e)
-            sample = ours.sample(state, key, BATCH)
-            td = sample.items["reward"] + sample.items["obs"][..., 0]
-            return ours.update(state, sample.indices, td, sample.versions), None
-
-        return jax.lax.scan(body, state, jax.random.split(key, iterations))[0]
-
+    eta, beta = 0.9, 0.6
+    ours = make_prioritized_sequence_buffer(windows, L, P, L - P, E, alpha=0.6, beta=beta, eta=eta)
     fb = flashbax.make_prioritised_trajectory_buffer(
         add_batch_size=E,
         sample_batch_size=BATCH,
@@ -149,42 +164,71 @@ def section_2(num_steps: int, iterations: int, reps: int, rep_seconds: float) ->
         priority_exponent=0.6,
         device="cpu",
     )
-    fb_item = {**step, "core": core}
-    fb_add = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (E, 1) + x.shape), fb_item)
 
-    def fb_loop(state, key):
-        def body(state, key):
-            state = fb.add(state, fb_add)
-            sample = fb.sample(state, key)
-            exp = sample.experience
-            prio = jnp.sum(exp["reward"] + exp["obs"][..., 0], axis=1)
-            return fb.set_priorities(state, sample.indices, prio), None
+    def ours_step(state, key, i):
+        state = ours.add(state, *_steps_at(i))
+        x = ours.sample(state, key, BATCH)
+        core_sum = x.core_state[0].sum(-1) + x.core_state[1].sum(-1)
+        items = x.items
+        td = _td_errors(items["obs"], items["action"], items["reward"], core_sum, x.weights)
+        return ours.update(state, x.indices, td, x.versions)  # the R2D2 mixture inside
 
-        return jax.lax.scan(body, state, jax.random.split(key, iterations))[0]
+    def fb_add(state, steps, core):  # one step of every sub-env: a time axis of 1
+        return fb.add(state, jax.tree_util.tree_map(lambda x: x[:, None], {**steps, "c": core}))
 
-    ours_state = ours.init(example_step(), core)
-    for _ in range(L):  # one full window per sub-env, so samples hold data
-        ours_state = ours.add(ours_state, steps_e, core_e)
-    fb_state = fb.init(fb_item)
-    fb_state = fb.add(
-        fb_state, jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (E, L) + x.shape), fb_item)
-    )
-    ours_jit = jax.jit(ours_loop, donate_argnums=0)
-    fb_jit = jax.jit(fb_loop, donate_argnums=0)
-    holder = {"ours": ours_state, "fb": fb_state}
-    keys = iter(jax.random.split(jax.random.key(1), 1 << 16))
+    def fb_step(state, key, i):
+        state = fb_add(state, *_steps_at(i))
+        x = fb.sample(state, key)
+        w = (x.probabilities * windows) ** -beta  # the importance weights, as ours
+        exp = x.experience
+        core_sum = exp["c"][0][:, 0].sum(-1) + exp["c"][1][:, 0].sum(-1)  # at the window start
+        td = _td_errors(exp["obs"], exp["action"], exp["reward"], core_sum, w / w.max())
+        a = jnp.abs(td)  # the R2D2 mixture, computed by the learner for flashbax
+        return fb.set_priorities(state, x.indices, eta * a.max(1) + (1 - eta) * a.mean(1) + 1e-4)
 
-    def run_ours():
-        holder["ours"] = jax.block_until_ready(ours_jit(holder["ours"], next(keys)))
+    def loop(step):
+        def run(state, key, i0):
+            def body(state, x):
+                return step(state, *x), None
 
-    def run_fb():
-        holder["fb"] = jax.block_until_ready(fb_jit(holder["fb"], next(keys)))
+            xs = (jax.random.split(key, iterations), i0 + jnp.arange(iterations))
+            return jax.lax.scan(body, state, xs)[0]
+
+        return jax.jit(run, donate_argnums=0)
+
+    def fill(add, state, adds):  # the buffer filled to capacity through its own add
+        def body(state, i):
+            return add(state, *_steps_at(i)), None
+
+        return jax.jit(lambda s: jax.lax.scan(body, s, jnp.arange(adds))[0], donate_argnums=0)(
+            state
+        )
+
+    adds = num_steps // E + L  # a little more than the capacity: the rings are full
+    example = {k: v[0] for k, v in _steps_at(jnp.int32(0))[0].items()}
+    core = (jnp.zeros(H), jnp.zeros(H))
+    holder = {
+        "ours": fill(ours.add, ours.init(example, core), adds),
+        "fb": fill(fb_add, fb.init({**example, "c": core}), adds),
+    }
+    print(f"  filled with {adds} adds: ours holds {int(holder['ours'].size)} of {windows} windows")
+    steps = {"ours": loop(ours_step), "fb": loop(fb_step)}
+    counter = iter(range(adds, 2**30, iterations))
+
+    def runner(name):
+        def run():
+            i = next(counter)
+            holder[name] = jax.block_until_ready(
+                steps[name](holder[name], jax.random.key(i), jnp.int32(i))
+            )
+
+        return run
 
     names = ("make_prioritized_sequence_buffer step", "flashbax trajectory buffer step")
-    times = round_robin({names[0]: run_ours, names[1]: run_fb}, reps, rep_seconds)
+    times = round_robin({names[0]: runner("ours"), names[1]: runner("fb")}, reps, rep_seconds)
     times = {k: [t / iterations for t in v] for k, v in times.items()}
     report(
-        f"2. jitted add + sample + update, {num_steps:.0e} steps, {E} sub-envs (per step)",
+        f"2. jitted add + sample + update, {num_steps:.0e} steps (full), {E} sub-envs (per step)",
         times,
         reference=names[0],
     )
