@@ -43,8 +43,17 @@ from jax.sharding import Mesh, PartitionSpec
 
 from coax_utils import utils
 from coax_utils.envs import step_without_autoreset
-from coax_utils.replay import make_prioritized_buffer
-from coax_utils.replay._mesh import shard_buffer, shard_map
+from coax_utils.replay import make_prioritized_buffer, shard_buffer
+
+
+def shard_map(f, mesh, in_specs, out_specs):
+    """``jax.shard_map`` (jax >= 0.6), else ``jax.experimental.shard_map`` (older jax)."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map as experimental
+
+    return experimental(f, mesh, in_specs, out_specs, check_rep=False)
+
 
 GAMMA, TARGET_TAU = 0.99, 0.01
 AXIS = "data"

@@ -19,6 +19,8 @@ from coax_utils.replay._functional import make_uniform_buffer
 from coax_utils.replay._example import get_transition_batch
 from coax_utils.replay._host import PrioritizedReplayBuffer
 from coax_utils.replay._host import SimpleReplayBuffer
+from coax_utils.replay._mesh import MeshBuffer
+from coax_utils.replay._mesh import shard_buffer
 from coax_utils.replay._minari import fill_from_minari
 from coax_utils.replay._minari import save_as_minari
 from coax_utils.replay._record import RecordTransitions
@@ -51,6 +53,7 @@ __all__ = [
     "FrameStackBufferState",
     "FrameStackReplayBuffer",
     "InsufficientCacheError",
+    "MeshBuffer",
     "MonteCarlo",
     "NStep",
     "PrioritizedBuffer",
@@ -87,6 +90,7 @@ __all__ = [
     "make_uniform_buffer",
     "next_observations",
     "save_as_minari",
+    "shard_buffer",
 ]
 
 # This layer's checkpoint types, under the names files store (utils knows none of them).
