@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,12 +13,14 @@ import numpy as np
 import ray
 
 from coax_utils._checks import check_float, check_int, check_seed, is_int
-from coax_utils.distributed._actor import RemoteClass, wait_ready
+from coax_utils.distributed._actor import RemoteClass
+from coax_utils.distributed._writer import ReplayWriter
 from coax_utils.replay import NStep, RecordTransitions, TransitionBatch
 
 __all__ = ["RolloutWorker"]
 
 _RETURNS_KEPT = 100
+_CHUNK_SIZE = 256  # the default chunk size
 
 
 def _check_args(
@@ -30,12 +31,13 @@ def _check_args(
     *,
     n: int = 1,
     gamma: float = 0.99,
-    batch_size: int = 32,
+    chunk_size: int = _CHUNK_SIZE,
+    max_delay: float | None = 1.0,
     priority_fn: Any = None,
     sync_every: int = 100,
-    max_in_flight: int = 2,
     seed: int | None = None,
     num_envs: int | None = None,
+    batch_size: int | None = None,
 ) -> None:
     if not (callable(env_fn) or isinstance(env_fn, str)):
         raise TypeError(
@@ -51,13 +53,14 @@ def _check_args(
         raise ValueError(
             "params must be a ParameterServer actor handle or a parameter pytree, got None"
         )
-    for name, value, low in (
-        ("n", n, 1),
-        ("batch_size", batch_size, 1),
-        ("sync_every", sync_every, 1),
-        ("max_in_flight", max_in_flight, 0),
-    ):
-        check_int(value, name, low=low)
+    for name, value in (("n", n), ("chunk_size", chunk_size), ("sync_every", sync_every)):
+        check_int(value, name, low=1)
+    if batch_size is not None:
+        check_int(batch_size, "batch_size", low=1)
+        if chunk_size != _CHUNK_SIZE:
+            raise TypeError("batch_size is the old name of chunk_size: pass chunk_size only")
+    if max_delay is not None:
+        check_float(max_delay, "max_delay", low=0.0, low_open=True)
     check_float(gamma, "gamma", 0.0, 1.0)
     check_seed(seed, "seed")
     if num_envs is not None:
@@ -98,7 +101,9 @@ class RolloutWorker(RemoteClass):
     Start it with ``RolloutWorker.remote(env_fn, policy, server, params, ...)``. The worker
     steps its env with ``policy(params, s, rng)``, traces n-step transitions with
     :class:`coax_utils.replay.NStep` (through :class:`~coax_utils.replay.RecordTransitions`),
-    and pushes them in batches of ``batch_size`` to a :class:`ReplayServer` (``server.add``).
+    and sends them to a :class:`ReplayServer` (or a shard of a :class:`ShardedReplay`)
+    through a :class:`ReplayWriter`: in chunks of ``chunk_size`` transitions, one Ray call
+    each, a chunk leaving at the latest ``max_delay`` seconds after its first transition.
 
     With ``num_envs`` the worker runs a vector env of that many sub-envs: ``policy(params, S,
     rng)`` gets the batched observations (leading axis ``num_envs``) and returns one action
@@ -106,11 +111,15 @@ class RolloutWorker(RemoteClass):
     ``rng``), and every vector step is traced in one call for all sub-envs
     (:class:`~coax_utils.replay.VectorNStep`), with gymnasium's autoreset modes and gymnax's
     ``final_observation`` handled as in
-    :class:`~coax_utils.replay.RecordVectorTransitions`. Each push carries whole traced
-    batches cut to ``batch_size`` rows. Initial priorities come from
-    ``priority_fn(params, transition_batch)`` (e.g. :math:`|\delta|`, the absolute TD error
-    under the current parameters); without it, new transitions get the buffer's current
-    maximum priority.
+    :class:`~coax_utils.replay.RecordVectorTransitions`. Initial priorities come from
+    ``priority_fn(params, transition_batch)``, called on every traced batch (one env step's,
+    or one vector step's for all sub-envs) with the parameters it was traced under (e.g.
+    :math:`|\delta|`, the absolute TD error); without it, new transitions get the buffer's
+    current maximum priority.
+
+    Episode ends do not flush the writer: with short episodes, or sub-envs of a vector env
+    ending episodes every few steps, that would send many small chunks (one Ray call each);
+    ``max_delay`` bounds how long a finished episode's transitions wait instead.
 
     Parameters come from a :class:`ParameterServer`: the worker pulls the latest version
     before its first step and then every ``sync_every`` steps (only changed parameters are
@@ -120,18 +129,22 @@ class RolloutWorker(RemoteClass):
 
     Two ways to run:
 
-    - ``run(num_steps)``: take exactly ``num_steps`` env steps, push every finished batch
-      and return the statistics (blocking; good for tests and synchronous schedules);
+    - ``run(num_steps)``: take exactly ``num_steps`` env steps, flush the writer, wait for
+      the server's acknowledgements and return the statistics (blocking; good for tests and
+      synchronous schedules);
     - ``start()`` / ``stop()``: step in a background thread of the actor until ``stop()``,
-      which pushes what is pending, waits for the server's acknowledgements (at most
+      which flushes the writer, waits for the server's acknowledgements (at most
       ``stop(timeout)`` seconds) and returns the statistics. ``ray.kill(worker)`` ends the
-      actor process at any time; the server keeps every batch that reached it. A worker
+      actor process at any time; the server keeps every chunk that reached it (a chunk
+      lands whole or not at all, and a writer's chunks in order). A worker
       that Ray restarts (``max_restarts``) starts over as constructed: statistics at 0, no
       background loop until ``start()`` is called again, and with a ``seed`` the same
       episodes again.
 
-    At most ``max_in_flight`` pushes are unacknowledged at any time. An error while stepping
-    or pushing (raised by the server, e.g. a rejected batch, or by the env, ``policy`` or
+    One chunk is in flight at a time; while a second full chunk waits for it (a rate
+    limiter holding the adds), the worker waits too, and ``stop()`` interrupts that wait.
+    An error while stepping or sending (raised by the server, e.g. a rejected chunk, or by
+    the env, ``policy`` or
     ``priority_fn``) stops the worker, in ``run`` and ``stop`` as in the background loop:
     that call and every later ``run``, ``start``, ``stop`` and ``stats`` raise it, so the
     worker never steps on past transitions that did not reach the server. A failed
@@ -150,26 +163,31 @@ class RolloutWorker(RemoteClass):
         ``policy(params, s, rng) -> a`` with ``rng`` a :class:`numpy.random.Generator`
         (batched with ``num_envs``).
     server : ray.actor.ActorHandle
-        A :class:`ReplayServer` handle.
+        A :class:`ReplayServer` handle, or one of :attr:`ShardedReplay.shards`.
     params : ray.actor.ActorHandle or pytree
         A :class:`ParameterServer` handle, or fixed parameters.
     n : int
         Number of steps of the n-step returns.
     gamma : float
         Discount factor in [0, 1] (a real number: not a string or a bool).
-    batch_size : int
-        Transitions per push to the server.
+    chunk_size : int
+        Transitions per chunk, i.e. per Ray call to the server (>= 1; with a rate limiter,
+        at most its :meth:`RateLimiter.max_insert`, checked at the first chunk).
+    max_delay : float or None
+        Seconds (> 0) a transition waits at most before its chunk is sent; None: only full
+        chunks, ``run`` and ``stop`` send.
     priority_fn : callable, optional
         ``priority_fn(params, transition_batch) -> Adv`` (one value per transition).
     sync_every : int
         Env steps between parameter pulls.
-    max_in_flight : int
-        Pushes that may await the server's acknowledgement (0: every push waits).
     seed : int, optional
         Seeds the env's first reset, its action space and ``rng`` (>= 0).
     num_envs : int, optional
         Run a vector env of this many sub-envs (>= 1); ``steps`` in the statistics then
         counts sub-env steps.
+    batch_size : int, optional
+        The old name of ``chunk_size`` (kept for compatibility; ``max_in_flight`` is gone:
+        the writer keeps one chunk in flight).
 
     Raises
     ------
@@ -186,12 +204,13 @@ class RolloutWorker(RemoteClass):
         *,
         n: int = 1,
         gamma: float = 0.99,
-        batch_size: int = 32,
+        chunk_size: int = _CHUNK_SIZE,
+        max_delay: float | None = 1.0,
         priority_fn: Callable[[Any, TransitionBatch], Any] | None = None,
         sync_every: int = 100,
-        max_in_flight: int = 2,
         seed: int | None = None,
         num_envs: int | None = None,
+        batch_size: int | None = None,
     ) -> None:
         _check_args(
             env_fn,
@@ -200,12 +219,13 @@ class RolloutWorker(RemoteClass):
             params,
             n=n,
             gamma=gamma,
-            batch_size=batch_size,
+            chunk_size=chunk_size,
+            max_delay=max_delay,
             priority_fn=priority_fn,
             sync_every=sync_every,
-            max_in_flight=max_in_flight,
             seed=seed,
             num_envs=num_envs,
+            batch_size=batch_size,
         )
         self._num_envs = num_envs
         env = _make_env(env_fn, num_envs)
@@ -218,9 +238,10 @@ class RolloutWorker(RemoteClass):
             self._param_server, self._params, self._version = params, None, 0
         else:
             self._param_server, self._params, self._version = None, params, 0
-        self._batch_size = batch_size
+        self._chunk_size = chunk_size if batch_size is None else batch_size
+        self._max_delay = max_delay
+        self._writer: ReplayWriter | None = None  # made at the first transition
         self._sync_every = sync_every
-        self._max_in_flight = max_in_flight
         self._seed = seed
         self._rng = np.random.default_rng(seed)
         if seed is not None:
@@ -228,14 +249,9 @@ class RolloutWorker(RemoteClass):
 
         self._obs: Any = None
         self._episode_return = np.zeros(num_envs or 1)
-        self._pending: list[TransitionBatch] = []
-        self._num_pending = 0
         self._synced_at = 0
-        self._in_flight: collections.deque = collections.deque()
         self._steps = 0
         self._episodes = 0
-        self._sent = 0
-        self._added = 0
         self._returns: collections.deque = collections.deque(maxlen=_RETURNS_KEPT)
         self._returns_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -295,43 +311,42 @@ class RolloutWorker(RemoteClass):
                 self._obs = s_next
 
     def _emit(self, batch: TransitionBatch) -> None:
-        """The one place traced transitions leave the worker: they wait until ``batch_size``
-        are pending, then go to the server in pushes of ``batch_size``."""
-        self._pending.append(batch)
-        self._num_pending += len(batch.Rn)  # the recorder built it: its rows line up
-        size = self._batch_size
-        while self._num_pending >= size:
-            pending = TransitionBatch.concatenate(*self._pending)
-            self._pending = [pending[size:]] if self._num_pending > size else []
-            self._num_pending -= size
-            self._push(pending[:size] if self._pending else pending)
-            # at most max_in_flight unacknowledged; stop() interrupts this wait (which
-            # lasts while a rate-limited shard holds the adds): the pushes stay in flight
-            while len(self._in_flight) > self._max_in_flight:
-                if not self._wait_oldest(interrupt=self._stop_event.is_set):
-                    return
-
-    def _push(self, batch: TransitionBatch) -> None:
+        """The one place traced transitions leave the worker: into the writer, which sends
+        them in chunks. Its waits end early once ``stop()`` sets the stop flag: the rows
+        stay taken and go out with ``stop()``'s flush."""
         Adv = None
         if self._priority_fn is not None:
             Adv = np.asarray(self._priority_fn(self._params, batch))
-        self._in_flight.append((self._server.add.remote(batch, Adv), batch.batch_size))
-        self._sent += batch.batch_size
+        if self._writer is None:  # its constructor asks the server once (a Ray call)
+            self._writer = ReplayWriter(
+                self._server,
+                chunk_size=self._chunk_size,
+                max_delay=self._max_delay,
+                interrupt=self._stop_event.is_set,
+            )
+        self._writer.add(batch, Adv)
 
-    def _wait_oldest(
-        self, deadline: float | None = None, interrupt: Callable[[], bool] | None = None
-    ) -> bool:
-        """Wait for the oldest push's acknowledgement; False (it stays in flight) if
-        ``deadline`` (``time.monotonic``) passed or ``interrupt()`` came first."""
-        ref, count = self._in_flight[0]
-        if (deadline is not None or interrupt is not None) and not wait_ready(
-            ref, deadline, interrupt
-        ):
-            return False
-        ray.get(ref)
-        self._in_flight.popleft()
-        self._added += count
-        return True
+    def _flush(self, timeout: float | None) -> None:
+        """Flush the writer and wait for every acknowledgement (at most ``timeout`` s).
+
+        The server's errors stop the worker; running out of time does not (TimeoutError:
+        what is left stays on its way, a later call waits on)."""
+        if self._writer is None:
+            return
+        with self._stop_on_error():
+            try:
+                self._writer.flush(timeout=timeout)
+            except TimeoutError as exc:
+                if isinstance(exc, ray.exceptions.RayError):  # the server's own TimeoutError
+                    raise
+                late = self._writer.num_unacknowledged
+            else:
+                return
+        raise TimeoutError(
+            f"{late} transitions sent were not acknowledged by the server within {timeout} s "
+            "(a rate-limited shard holds adds until the learner samples); call stop() again "
+            "to wait on, or ray.kill the worker"
+        )
 
     def _loop(self) -> None:
         try:
@@ -359,8 +374,8 @@ class RolloutWorker(RemoteClass):
     def run(self, num_steps: int) -> dict[str, Any]:
         """Take ``num_steps`` env steps, push every finished batch, wait for the server.
 
-        Transitions of unfinished n-step traces stay in the tracer; a partial batch stays
-        pending until the next call or :meth:`stop`.
+        Every transition traced so far is sent (the writer is flushed) and acknowledged when
+        this returns; transitions of unfinished n-step traces stay in the tracer.
 
         Parameters
         ----------
@@ -391,9 +406,7 @@ class RolloutWorker(RemoteClass):
         per_step = self._num_envs or 1
         for _ in range(-(-num_steps // per_step)):  # whole vector steps
             self._step()
-        with self._stop_on_error():
-            while self._in_flight:
-                self._wait_oldest()
+        self._flush(None)
         return self._stats()
 
     def start(self) -> None:
@@ -414,7 +427,7 @@ class RolloutWorker(RemoteClass):
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> dict[str, Any]:
-        """Stop the background loop, push what is pending, wait for the server.
+        """Stop the background loop, flush the writer, wait for the server.
 
         Parameters
         ----------
@@ -433,36 +446,21 @@ class RolloutWorker(RemoteClass):
         TypeError, ValueError
             For a ``timeout`` that is not None or a finite number >= 0 (nothing is changed).
         TimeoutError
-            If pushes were not acknowledged within ``timeout``. The worker is stopped and
-            the pushes stay in flight: a later ``stop`` (or ``run``) waits for them again.
+            If transitions were not acknowledged within ``timeout``. The worker is stopped
+            and they stay on their way: a later ``stop`` (or ``run``) waits for them again.
         Exception
-            The error that stopped the worker, if any (e.g. the server rejected a batch), in
-            the background loop, an earlier call or this call's pushes.
+            The error that stopped the worker, if any (e.g. the server rejected a chunk), in
+            the background loop, an earlier call or this call's flush.
         """
         if timeout is not None:
             check_float(timeout, "timeout", 0.0)
-        deadline = None if timeout is None else time.monotonic() + timeout
         if self._thread is not None:
             self._stop_event.set()
             self._thread.join()  # the loop ends after its step, also while a push waits
             self._thread = None
             self._stop_event.clear()
         self._raise_error()
-        with self._stop_on_error():
-            if self._pending:
-                batch = TransitionBatch.concatenate(*self._pending)
-                self._pending.clear()
-                self._num_pending = 0
-                self._push(batch)
-            while self._in_flight and self._wait_oldest(deadline):
-                pass
-        if self._in_flight:
-            pushes = sum(count for _, count in self._in_flight)
-            raise TimeoutError(
-                f"{pushes} transitions pushed were not acknowledged by the server within "
-                f"{timeout} s (a rate-limited shard holds adds until the learner samples); "
-                "call stop() again to wait on, or ray.kill the worker"
-            )
+        self._flush(timeout)
         return self._stats()
 
     def stats(self) -> dict[str, Any]:
@@ -472,7 +470,8 @@ class RolloutWorker(RemoteClass):
         -------
         dict
             ``steps`` (env steps), ``episodes`` (finished episodes), ``transitions_sent``
-            (pushed to the server), ``transitions_added`` (acknowledged by the server),
+            (handed to the writer: sent, or in its open chunk), ``transitions_added``
+            (acknowledged by the server),
             ``params_version`` (version of the parameters in use; 0 for fixed parameters)
             and ``episode_returns`` (the last 100 undiscounted episode returns).
 
@@ -487,11 +486,12 @@ class RolloutWorker(RemoteClass):
     def _stats(self) -> dict[str, Any]:
         with self._returns_lock:
             returns = list(self._returns)
+        writer = self._writer
         return {
             "steps": self._steps,
             "episodes": self._episodes,
-            "transitions_sent": self._sent,
-            "transitions_added": self._added,
+            "transitions_sent": 0 if writer is None else writer.num_added,
+            "transitions_added": 0 if writer is None else writer.num_acknowledged,
             "params_version": self._version,
             "episode_returns": returns,
         }

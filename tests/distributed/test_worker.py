@@ -74,17 +74,15 @@ def test_worker_matches_a_local_nstep_rollout(ray_cluster):
     params = _params(seed=1)
     server = ReplayServer.remote(SimpleReplayBuffer(capacity=1000))
     store = ParameterServer.remote(params)
-    worker = RolloutWorker.remote(
-        ENV, greedy, server, store, n=3, gamma=0.9, batch_size=8, seed=3, max_in_flight=1
-    )
+    worker = RolloutWorker.remote(ENV, greedy, server, store, n=3, gamma=0.9, chunk_size=8, seed=3)
     stats = ray.get(worker.run.remote(60))
     assert stats["steps"] == 60 and stats["params_version"] == 1
-    assert stats["transitions_added"] == stats["transitions_sent"]
-    assert stats["transitions_added"] % 8 == 0  # only whole batches go out during run
-    assert ray.get(server.num_added.remote()) == stats["transitions_added"]
-
-    final = ray.get(worker.stop.remote())  # pushes the pending partial batch
     expected = _local_rollout(greedy, params, 60, n=3, gamma=0.9, seed=3)
+    # run() flushes: everything traced is acknowledged, the last partial chunk included
+    assert stats["transitions_added"] == stats["transitions_sent"] == expected.batch_size
+    assert ray.get(server.num_added.remote()) == expected.batch_size
+
+    final = ray.get(worker.stop.remote())  # nothing left to send
     assert final["transitions_added"] == expected.batch_size == ray.get(server.size.remote())
     assert final["episodes"] >= 1 and len(final["episode_returns"]) == final["episodes"]
     stored = _stored(ray, server)
@@ -97,7 +95,8 @@ def test_worker_pulls_the_latest_parameters(ray_cluster):
     ray = ray_cluster
     server = ReplayServer.remote(SimpleReplayBuffer(capacity=1000))
     store = ParameterServer.remote(_constant_action_params(0))
-    worker = RolloutWorker.remote(ENV, greedy, server, store, batch_size=1, sync_every=5)
+    worker = RolloutWorker.remote(ENV, greedy, server, store, chunk_size=1, sync_every=5)
+    # batch_size: the old name of chunk_size
     fixed = RolloutWorker.remote(ENV, greedy, server, _constant_action_params(1), batch_size=1)
 
     ray.get(worker.run.remote(20))
@@ -130,7 +129,7 @@ def test_initial_priorities_come_from_priority_fn(ray_cluster):
     buffer = PrioritizedReplayBuffer(capacity=1000, alpha=1.0, epsilon=1e-9, random_seed=0)
     server = ReplayServer.remote(buffer)
     worker = RolloutWorker.remote(
-        ENV, uniform, server, 0, n=2, batch_size=16, priority_fn=favour_action_1, seed=0
+        ENV, uniform, server, 0, n=2, chunk_size=16, priority_fn=favour_action_1, seed=0
     )
     ray.get(worker.run.remote(100))
     stored = _stored(ray, server)
@@ -138,7 +137,7 @@ def test_initial_priorities_come_from_priority_fn(ray_cluster):
     sample = ray.get(server.sample.remote(256))
     assert np.all(sample.A == 1)  # zero-priority transitions are (almost surely) never drawn
 
-    bad = RolloutWorker.remote(ENV, uniform, server, 0, batch_size=4, priority_fn=wrong_length)
+    bad = RolloutWorker.remote(ENV, uniform, server, 0, chunk_size=4, priority_fn=wrong_length)
     with pytest.raises(ValueError, match="Adv must have shape"):
         ray.get(bad.run.remote(50))
     for w in (worker, bad):
@@ -149,8 +148,10 @@ def test_a_killed_worker_does_not_disturb_the_server_or_the_others(ray_cluster):
     ray = ray_cluster
     batch_size = 8
     server = ReplayServer.remote(SimpleReplayBuffer(capacity=100_000))
-    victim, survivor = (
-        RolloutWorker.remote(ENV, uniform, server, 0, n=3, batch_size=batch_size, seed=s)
+    victim, survivor = (  # max_delay=None: only full chunks go out while they run
+        RolloutWorker.remote(
+            ENV, uniform, server, 0, n=3, chunk_size=batch_size, max_delay=None, seed=s
+        )
         for s in (1, 2)
     )
     ray.get([victim.start.remote(), survivor.start.remote()])
@@ -180,7 +181,8 @@ def test_a_killed_worker_does_not_disturb_the_server_or_the_others(ray_cluster):
     total = ray.get(server.num_added.remote())
     assert ray.get(server.size.remote()) == total
     from_victim = total - final["transitions_added"]
-    # everything the victim had pushed is there, in whole batches (a call lands whole or not)
+    # everything acknowledged to the victim is there, in whole chunks (a call lands whole
+    # or not)
     assert from_victim >= last_seen
     assert from_victim % batch_size == 0
     stored = _stored(ray, server)
@@ -207,6 +209,12 @@ def test_worker_errors(ray_cluster):
         RolloutWorker.remote(ENV, greedy, server, 0, n=0)
     with pytest.raises(ValueError, match="gamma"):
         RolloutWorker.remote(ENV, greedy, server, 0, gamma=1.5)
+    with pytest.raises(ValueError, match="chunk_size"):
+        RolloutWorker.remote(ENV, greedy, server, 0, chunk_size=0)
+    with pytest.raises(ValueError, match="max_delay"):
+        RolloutWorker.remote(ENV, greedy, server, 0, max_delay=0.0)
+    with pytest.raises(TypeError, match="chunk_size only"):
+        RolloutWorker.remote(ENV, greedy, server, 0, chunk_size=8, batch_size=8)
     with pytest.raises(ValueError, match="params"):
         RolloutWorker.remote(ENV, greedy, server, None)
 
@@ -242,7 +250,7 @@ def test_an_error_in_run_stops_the_worker_and_drops_nothing_silently(ray_cluster
     ray = ray_cluster
     server = ReplayServer.remote(PrioritizedReplayBuffer(capacity=100, random_seed=0))
     worker = RolloutWorker.remote(
-        ENV, uniform, server, 0, batch_size=4, priority_fn=FailOnce(), seed=0
+        ENV, uniform, server, 0, chunk_size=4, priority_fn=FailOnce(), seed=0
     )
     with pytest.raises(RuntimeError, match="once on purpose"):
         ray.get(worker.run.remote(8))
@@ -258,16 +266,24 @@ def test_an_error_in_run_stops_the_worker_and_drops_nothing_silently(ray_cluster
         ray.get(worker.start.remote())
     assert ray.get(server.size.remote()) == 0
 
-    # the same in stop(): its push of the pending partial batch fails
+    # the same in stop(): the server rejects the chunk that stop() flushes (its buffer holds
+    # transitions of another structure)
+    other = SimpleReplayBuffer(capacity=100)
+    other.add(TransitionBatch.from_single(s=0.0, a=0, logp=0.0, r=1.0, done=False, gamma=0.9))
+    rejecting = ReplayServer.remote(other)
     late = RolloutWorker.remote(
-        ENV, uniform, server, 0, batch_size=100, priority_fn=FailOnce(), seed=0
+        ENV, uniform, rejecting, 0, chunk_size=10_000, max_delay=None, seed=0
     )
-    assert ray.get(late.run.remote(5))["transitions_sent"] == 0
-    with pytest.raises(RuntimeError, match="once on purpose"):
+    ray.get(late.start.remote())
+    _wait_until(lambda: ray.get(late.stats.remote())["transitions_sent"] >= 5)
+    assert ray.get(rejecting.num_added.remote()) == 1  # nothing sent before stop()
+    with pytest.raises(ValueError, match="differs in structure"):
         ray.get(late.stop.remote())
-    with pytest.raises(RuntimeError, match="once on purpose"):
+    with pytest.raises(ValueError, match="differs in structure"):
         ray.get(late.stop.remote())
-    assert ray.get(server.size.remote()) == 0
+    with pytest.raises(ValueError, match="differs in structure"):
+        ray.get(late.run.remote(1))
+    assert ray.get(rejecting.num_added.remote()) == 1
 
     # a failed parameter pull changes nothing: run() may be called again once published
     store = ParameterServer.remote()
@@ -276,8 +292,8 @@ def test_an_error_in_run_stops_the_worker_and_drops_nothing_silently(ray_cluster
         ray.get(early.run.remote(3))
     ray.get(store.set.remote(0))
     assert ray.get(early.run.remote(3))["params_version"] == 1
-    for w in (worker, late, early):
-        ray.kill(w)
+    for actor in (worker, late, early, rejecting):
+        ray.kill(actor)
 
 
 def test_arguments_the_actor_would_die_on_are_refused_by_remote(ray_cluster):
@@ -304,19 +320,23 @@ def test_stop_with_a_timeout_returns_while_a_rate_limited_shard_holds_the_pushes
     # inserts wait once 2 transitions are in and nothing was sampled
     limiter = RateLimiter.remote(min_size_to_sample=1, samples_per_insert=1.0, error_buffer=1.0)
     replay = ShardedReplay([SimpleReplayBuffer(100)], rate_limiter=limiter)
-    worker = RolloutWorker.remote(
-        ENV, uniform, replay.shards[0], 0, batch_size=1, max_in_flight=1, seed=0
-    )
+    too_large = RolloutWorker.remote(ENV, uniform, replay.shards[0], 0)  # chunks of 256
+    with pytest.raises(ValueError, match="chunk_size must be <= 2"):  # the limiter's window
+        ray.get(too_large.run.remote(5))
+    ray.kill(too_large)
+    worker = RolloutWorker.remote(ENV, uniform, replay.shards[0], 0, chunk_size=1, seed=0)
     ray.get(worker.start.remote())
     _wait_until(lambda: ray.get(worker.stats.remote())["transitions_sent"] >= 3)
     with pytest.raises(TypeError, match="timeout"):
         ray.get(worker.stop.remote(timeout="1"))
     with pytest.raises(TimeoutError, match="not acknowledged"):
         ray.get(worker.stop.remote(timeout=0.5))
-    stats = ray.get(worker.stats.remote())  # stopped, not failed: the pushes are in flight
+    stats = ray.get(worker.stats.remote())  # stopped, not failed: the chunks are on their way
     assert stats["transitions_added"] == 2 < stats["transitions_sent"]
 
-    replay.sample(2)  # the learner samples: the limiter lets the held adds in
+    # the learner samples: the limiter lets the held adds in, one by one
+    while replay.size() < stats["transitions_sent"]:
+        replay.sample(1, timeout=60.0)
     final = ray.get(worker.stop.remote(timeout=60.0))
     assert final["transitions_added"] == final["transitions_sent"] == replay.size()
     assert ray.get(worker.run.remote(0))["steps"] == final["steps"]  # usable again
@@ -386,13 +406,13 @@ def test_vector_worker_pushes_what_one_tracer_per_sub_env_traces(ray_cluster, ki
         env_fn, policy, num_envs = gymnax_cartpole, jitted_uniform_batch, 3
         local = gymnax_cartpole()
     worker = RolloutWorker.remote(
-        env_fn, policy, server, 0, n=3, gamma=0.9, batch_size=8, seed=5, num_envs=num_envs
+        env_fn, policy, server, 0, n=3, gamma=0.9, chunk_size=8, seed=5, num_envs=num_envs
     )
     stats = ray.get(worker.run.remote(20 * num_envs))  # 20 vector steps
     assert stats["steps"] == 20 * num_envs and stats["episodes"] >= 1
-    assert stats["transitions_added"] % 8 == 0 and stats["transitions_added"] > 0
-    final = ray.get(worker.stop.remote())
     expected = _local_vector_rollout(local, policy, 20, n=3, gamma=0.9, seed=5)
+    assert stats["transitions_added"] == stats["transitions_sent"] == expected.batch_size
+    final = ray.get(worker.stop.remote())
     assert final["transitions_added"] == expected.batch_size == ray.get(server.size.remote())
     stored = _stored(ray, server)
     for field in ("S", "A", "Rn", "In", "S_next", "A_next"):
@@ -402,3 +422,47 @@ def test_vector_worker_pushes_what_one_tracer_per_sub_env_traces(ray_cluster, ki
     else:
         assert np.isclose(stored.In, 0.9).any()  # truncated: from the final observation
     ray.kill(worker)
+
+
+class CountingServer(ReplayServer):
+    """A ReplayServer that counts the calls of ``add`` (one per chunk a writer sends)."""
+
+    def __init__(self, buffer):
+        super().__init__(buffer)
+        self._calls = []
+
+    def add(self, transition_batch, Adv=None):
+        n = super().add(transition_batch, Adv)
+        self._calls.append(n)
+        return n
+
+    def calls(self):
+        return list(self._calls)
+
+
+def test_transitions_leave_in_chunks_and_stop_flushes_the_last_one(ray_cluster):
+    ray = ray_cluster
+    server = CountingServer.remote(SimpleReplayBuffer(capacity=10_000))
+    # 4 sub-envs, 25 vector steps: about 100 transitions, traced in 25 batches of about 4
+    worker = RolloutWorker.remote(
+        ENV, uniform_batch, server, 0, chunk_size=16, max_delay=None, num_envs=4, seed=0
+    )
+    stats = ray.get(worker.run.remote(100))
+    added = stats["transitions_added"]
+    assert added == stats["transitions_sent"] == ray.get(server.num_added.remote()) > 16
+    # full chunks of 16, then run()'s flush sends the rest: one add call per chunk
+    first = ray.get(server.calls.remote())
+    assert first == [16] * (added // 16) + [added % 16] * (added % 16 > 0)
+
+    # in the background loop nothing leaves before a chunk is full (no max_delay): stop()
+    # sends the open chunk and waits for it
+    ray.get(worker.start.remote())
+    _wait_until(lambda: ray.get(worker.stats.remote())["transitions_sent"] >= added + 8)
+    final = ray.get(worker.stop.remote(timeout=60.0))
+    assert final["transitions_added"] == final["transitions_sent"]
+    assert final["transitions_added"] == ray.get(server.num_added.remote())
+    later = ray.get(server.calls.remote())[len(first) :]
+    assert sum(later) == final["transitions_added"] - added
+    assert all(c == 16 for c in later[:-1]) and 0 < later[-1] <= 16  # then stop()'s chunk
+    ray.kill(worker)
+    ray.kill(server)
