@@ -16,8 +16,9 @@ Sections:
    Each variant adds every step and pops what it can after every step. Goal: the batched
    tracer at most 1/5 of the per-sub-env tracers' time per transition.
 2. Env steps per second of 1 and 2 :class:`~coax_utils.distributed.RolloutWorker` actors
-   (random policy, ``n=3``) on a local Ray cluster (num_cpus=2) pushing into a
-   ``ReplayServer`` of a ``PrioritizedReplayBuffer``, against a plain gymnasium loop in
+   (random policy, ``n=3``) on a local Ray cluster (num_cpus=2) sending chunks of
+   ``--chunk-size`` transitions (through their ``ReplayWriter``) to a ``ReplayServer`` of a
+   ``PrioritizedReplayBuffer``, against a plain gymnasium loop in
    this process (``env.step`` of one ``CartPole-v1`` with a random action, reset at episode
    ends): a worker with one env (``num_envs=None``, the worker as it was), and workers with
    ``num_envs`` 16 and 64 (``--worker-envs``) on a ``SyncVectorEnv`` of
@@ -181,7 +182,7 @@ def sync_cartpoles(num_envs: int):
     return gymnasium.vector.SyncVectorEnv([lambda: gymnasium.make("CartPole-v1")] * num_envs)
 
 
-def bench_rollouts(reps: int, seconds: float, batch_size: int, env_counts: list[int]) -> list[dict]:
+def bench_rollouts(reps: int, seconds: float, chunk_size: int, env_counts: list[int]) -> list[dict]:
     import functools
 
     import gymnasium
@@ -201,7 +202,7 @@ def bench_rollouts(reps: int, seconds: float, batch_size: int, env_counts: list[
         )
     workers = {
         kind: [
-            RolloutWorker.remote(server=server, params=0, n=3, batch_size=batch_size, seed=s, **kw)
+            RolloutWorker.remote(server=server, params=0, n=3, chunk_size=chunk_size, seed=s, **kw)
             for s in (1, 2)
         ]
         for kind, kw in kinds.items()
@@ -238,7 +239,7 @@ def bench_rollouts(reps: int, seconds: float, batch_size: int, env_counts: list[
     loop_name = "gymnasium loop in-process (env steps/s)"
     runs = {loop_name: local_loop}
     for kind, group in workers.items():
-        num_steps = max(2 * batch_size, int(seconds * (10_000 if "None" in kind else 60_000)))
+        num_steps = max(2 * chunk_size, int(seconds * (10_000 if "None" in kind else 60_000)))
         for k in (1, 2):
             runs[f"RolloutWorker x{k}, {kind}"] = workers_variant(group, k, num_steps)
     for run in runs.values():  # warm-up
@@ -251,7 +252,7 @@ def bench_rollouts(reps: int, seconds: float, batch_size: int, env_counts: list[
     base = statistics.median(rates[loop_name])
     print(
         f"\n2. Env steps/s (workers: transitions acknowledged/s) on CartPole-v1, random policy, "
-        f"n=3, pushes of {batch_size}"
+        f"n=3, chunks of {chunk_size}"
     )
     print(f"  {'variant':62s} {'median':>9s} {'(min - max)':>21s}  {'vs loop':>7s}")
     rows = []
@@ -275,7 +276,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few-second smoke run")
     parser.add_argument("--before", default="238e6bb", help="git revision of the baseline")
-    parser.add_argument("--batch-size", type=int, default=1024, help="worker push size")
+    parser.add_argument(
+        "--chunk-size", type=int, default=1024, help="transitions per chunk the workers send"
+    )
     parser.add_argument("--tracing-only", action="store_true", help="only section 1")
     parser.add_argument(
         "--worker-envs", default="16,64", help="num_envs of the vector workers (comma list)"
@@ -299,7 +302,7 @@ def main() -> None:
         )
         try:
             env_counts = [int(k) for k in args.worker_envs.split(",")]
-            rows += bench_rollouts(reps, 0.1 if args.quick else 1.0, args.batch_size, env_counts)
+            rows += bench_rollouts(reps, 0.1 if args.quick else 1.0, args.chunk_size, env_counts)
         finally:
             ray.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
