@@ -364,11 +364,16 @@ def _build(shard: Any, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
         return _serve(owner, local, resolve, axis, n, round_rows(batch_size * n, n))[0]
 
     def shard_sample_prioritized(
-        block: Any, key: jax.Array, batch_size: int, beta: Any = None
+        block: Any, key: jax.Array, batch_size: int, beta: Any = None, scope: str = "mesh"
     ) -> PrioritizedSample:
+        check_choice(scope, "scope", UNIFORM_SCOPES)
         state = _local(block)
         check_state(state, rows)
         batch_size = check_static_int(batch_size, "batch_size")
+        me = jax.lax.axis_index(axis)
+        if scope == "shard":  # the shard's own sample, by its own priorities, size and batch
+            s = shard.sample(state, jax.random.fold_in(key, me), batch_size, beta)
+            return s.replace(indices=s.indices + me * rows)
         if beta is None:
             beta_ = jnp.float32(shard.beta)
         else:
@@ -381,7 +386,6 @@ def _build(shard: Any, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
         owner = owner.astype(jnp.int32)
         mass = totals[owner]
         u = jnp.where(mass > 0, (target - (ends[owner] - mass)) / jnp.where(mass > 0, mass, 1), 0)
-        me = jax.lax.axis_index(axis)
 
         def resolve(u: jax.Array) -> tuple:
             slots, value = sum_tree_inverse_cdf(state.tree, u, return_values=True)
@@ -400,11 +404,20 @@ def _build(shard: Any, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
         return PrioritizedSample(got["items"], got["index"], weights, got["version"])
 
     def shard_update(
-        block: Any, indices: jax.Array, priorities: jax.Array, versions: Any = None
+        block: Any,
+        indices: jax.Array,
+        priorities: jax.Array,
+        versions: Any = None,
+        scope: str = "mesh",
     ) -> Any:
+        check_choice(scope, "scope", UNIFORM_SCOPES)
         state = _local(block)
         check_pairs_up(priorities, indices, "priorities")
         indices = checked_indices(indices, capacity)[0]
+        if scope == "shard":  # this device's entries of its own slots; nothing crosses
+            me = jax.lax.axis_index(axis)
+            local = jnp.where(indices // rows == me, indices - me * rows, -1)
+            return _block(shard.update(state, local, priorities, versions))
         count = indices.shape[0]
         p = jnp.asarray(priorities, jnp.float32).reshape(-1)
         p = jnp.broadcast_to(p, (count,)) if p.shape[0] == 1 else p
@@ -467,27 +480,23 @@ def _build(shard: Any, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
         return mapped(f, (spec, rep), spec)(state, key)
 
     def sample_prioritized(
-        state: Any, key: jax.Array, batch_size: int, beta: Any = None
+        state: Any, key: jax.Array, batch_size: int, beta: Any = None, scope: str = "mesh"
     ) -> PrioritizedSample:
         check_beta(beta)
-        share = _split(batch_size, n, "batch_size")
-        if beta is None:
-            return compiled_sample(state, key, share)
-        return compiled_sample_beta(state, key, share, beta)
+        check_choice(scope, "scope", UNIFORM_SCOPES)
+        return compiled_sample(state, key, _split(batch_size, n, "batch_size"), scope, beta)
 
-    @functools.partial(jax.jit, static_argnums=2)
-    def compiled_sample(state: Any, key: jax.Array, share: int) -> PrioritizedSample:
-        f = functools.partial(shard_sample_prioritized, batch_size=share)
-        return mapped(f, (spec, rep), spec)(state, key)
-
-    @functools.partial(jax.jit, static_argnums=2)
-    def compiled_sample_beta(state: Any, key: jax.Array, share: int, beta: Any) -> Any:
+    @functools.partial(jax.jit, static_argnums=(2, 3))
+    def compiled_sample(state: Any, key: jax.Array, share: int, scope: str, beta: Any) -> Any:
         def f(block: Any, key: jax.Array, beta: Any) -> PrioritizedSample:
-            return shard_sample_prioritized(block, key, share, beta)
+            return shard_sample_prioritized(block, key, share, beta, scope)
 
         return mapped(f, (spec, rep, rep), spec)(state, key, beta)
 
-    def update(state: Any, indices: Any, priorities: Any, versions: Any = None) -> Any:
+    def update(
+        state: Any, indices: Any, priorities: Any, versions: Any = None, scope: str = "mesh"
+    ) -> Any:
+        check_choice(scope, "scope", UNIFORM_SCOPES)
         # host input is checked in its own dtype; device arrays inside the jitted function
         if not isinstance(indices, (jax.Array, jax.core.Tracer)):
             indices = checked_indices(indices, capacity)[0]
@@ -495,24 +504,23 @@ def _build(shard: Any, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
             versions = checked_versions(versions, indices)
         check_pairs_up(priorities, indices, "priorities")
         _split(int(np.prod(np.shape(indices))), n, "the number of indices")
-        if versions is None:
-            return compiled_update(state, indices, priorities)
-        return compiled_update_versions(state, indices, priorities, versions)
+        return compiled_update(state, indices, priorities, versions, scope)
 
     def flat(indices: Any, priorities: Any) -> tuple[Any, Any]:
         indices = jnp.reshape(indices, (-1,))
         p = jnp.reshape(jnp.asarray(priorities, jnp.float32), (-1,))
         return indices, jnp.broadcast_to(p, indices.shape)
 
-    @jax.jit
-    def compiled_update(state: Any, indices: Any, priorities: Any) -> Any:
-        f = mapped(shard_update, (spec, spec, spec), spec)
-        return f(state, *flat(indices, priorities))
+    @functools.partial(jax.jit, static_argnums=4)
+    def compiled_update(
+        state: Any, indices: Any, priorities: Any, versions: Any, scope: str
+    ) -> Any:
+        def f(block: Any, indices: Any, priorities: Any, versions: Any) -> Any:
+            return shard_update(block, indices, priorities, versions, scope)
 
-    @jax.jit
-    def compiled_update_versions(state: Any, indices: Any, priorities: Any, versions: Any) -> Any:
-        f = mapped(shard_update, (spec, spec, spec, spec), spec)
-        return f(state, *flat(indices, priorities), jnp.reshape(versions, (-1,)))
+        if versions is not None:
+            versions = jnp.reshape(versions, (-1,))
+        return mapped(f, (spec,) * 4, spec)(state, *flat(indices, priorities), versions)
 
     def put(state: Any) -> Any:
         shards = np.shape(getattr(state, "size", None))

@@ -90,7 +90,8 @@ def main(folder: str) -> None:
     rows = CAPACITY // n
     example = {"id": jnp.int32(0), "x": jnp.zeros(2, jnp.float32)}
     big = make_prioritized_buffer(CAPACITY, alpha=ALPHA, beta=BETA, epsilon=EPS)
-    mb = synced(shard_buffer(big, mesh, "data"))
+    raw = shard_buffer(big, mesh, "data")
+    mb = synced(raw)
     put = lambda x: jax.device_put(x, mb.batch_sharding)  # noqa: E731
     keys = [
         jax.device_put(k, mb.replicated) for k in jax.random.split(jax.random.key(0), DRAWS + 8)
@@ -155,6 +156,61 @@ def main(folder: str) -> None:
         later = fill(mb, state, np.arange(48, 48 + rows * n), put)  # rewrites every slot
         stale = mb.update(later, s.indices, s.weights - s.weights, s.versions)
     np.testing.assert_array_equal(host(stale.tree.nodes), host(later.tree.nodes))
+
+    # -- prioritized per shard: each device by its own shard's priorities ------------------
+    owner_of = gidx // rows  # the shard of each id
+    sizes = np.bincount(owner_of, minlength=n)
+    totals = np.bincount(owner_of, weights=p, minlength=n)
+    counts = np.zeros(48)
+    with jax.transfer_guard("disallow"):
+        for k in range(DRAWS):
+            if k == 1:
+                compiled = COMPILES[0]
+            s = mb.sample(state, keys[k], BATCH, scope="shard")
+            got_ids, idx = host(s.items["id"]), host(s.indices)
+            np.testing.assert_array_equal(stored[idx], got_ids)
+            assert np.all(idx // rows == np.repeat(np.arange(n), BATCH // n)), "drew elsewhere"
+            counts += np.bincount(got_ids, minlength=48)
+            # weights: (N_s P_s(i))^-beta / max (N_s P_s(j))^-beta over the device's rows,
+            # with the shard's size N_s and probabilities P_s(i) = p_i / T_s
+            mine = owner_of[got_ids]
+            w = (sizes[mine] * p[got_ids] / totals[mine]) ** -BETA
+            w = np.stack([x / x.max() for x in w.reshape(n, -1)]).reshape(-1)
+            np.testing.assert_allclose(host(s.weights), w, rtol=1e-5)
+    assert COMPILES[0] == compiled, "a second per-shard sample call compiled again"
+    for d in range(n):
+        mine = owner_of == d
+        chi_square(counts[mine], p[mine], f"prioritized sample of shard {d}")
+    # nothing crosses devices in the per-shard sample and update; the exact sample gathers
+    texts = {
+        scope: jax.jit(lambda st, k, scope=scope: raw.sample(st, k, BATCH, scope=scope))
+        .lower(state, keys[0])
+        .compile()
+        .as_text()
+        for scope in ("shard", "mesh")
+    }
+    ops = ("all-gather", "all-reduce", "collective-permute", "all-to-all")
+    assert not any(op in texts["shard"] for op in ops), "a collective in the per-shard sample"
+    assert n == 1 or "all-gather" in texts["mesh"]
+    text = (
+        jax.jit(lambda st, i, q: raw.update(st, i, q, scope="shard"))
+        .lower(state, s.indices, s.weights)
+        .compile()
+        .as_text()
+    )
+    assert not any(op in text for op in ops), "a collective in the per-shard update"
+    # a per-shard update keeps each device's entries of its own slots, ignores the others
+    own = host(s.indices)
+    moved = np.roll(own, BATCH // n)  # device d now holds the indices of device d - 1
+    with jax.transfer_guard("disallow"):
+        new = mb.update(state, s.indices, put(np.full(BATCH, 3.0, np.float32)), scope="shard")
+        same = mb.update(state, put(moved), put(np.full(BATCH, 3.0, np.float32)), scope="shard")
+    leaves_new = host(new.tree.nodes)[:, n_leaves : n_leaves + rows].reshape(-1)
+    expected = leaves.copy()
+    expected[own] = (3.0 + EPS) ** ALPHA
+    np.testing.assert_allclose(leaves_new, expected, rtol=1e-6)
+    if n > 1:
+        np.testing.assert_array_equal(host(same.tree.nodes), host(state.tree.nodes))
 
     # -- uniform: per shard and over the whole mesh ---------------------------------------
     ub = synced(shard_buffer(make_uniform_buffer(CAPACITY), mesh, "data"))
