@@ -16,6 +16,8 @@ Every function runs the existing single-buffer functions on each shard through
   items with the same priorities.
 - ``update``: the sample's indices and priorities are gathered; each device keeps those of
   its own slots; the largest priority is shared so that new items get the global maximum.
+- with ``scope="shard"`` (uniform ``sample``; prioritized ``sample`` and ``update``)
+  nothing crosses: each device is a buffer of its own, as under ``pmap``.
 
 Sharded draws are served in rounds of a fixed number of rows per device (about the mean
 ``B / n`` plus four standard deviations); a draw pattern that sends more to one shard (very
@@ -232,16 +234,29 @@ def shard_buffer(
       device draws its ``batch_size / n`` rows from its own shard (keys folded with the
       device's position on the axis); with ``scope="mesh"`` every row is drawn uniformly
       from the whole buffer.
-    - prioritized ``sample(state, key, batch_size, beta=None) -> PrioritizedSample``:
-      drawn over the whole buffer, exactly as one buffer of the total capacity holding the
-      same items with the same priorities draws them: ``indices`` are global
-      (``shard * capacity / n + slot``) and the importance weights
-      :math:`(N P(i))^{-\beta} / \max_j (N P(j))^{-\beta}` use the global size,
-      probabilities and batch. Everything is sharded on the axis.
-    - prioritized ``update(state, indices, priorities, versions=None) -> state``: the
-      arguments of a sample (sharded like it); each priority reaches the device that owns
-      its index; the rules of the single buffer's ``update`` hold (stale versions, NaN and
-      out-of-range entries ignored, the last of duplicate indices wins).
+    - prioritized ``sample(state, key, batch_size, beta=None, scope="mesh") ->
+      PrioritizedSample``, sharded on the axis, ``indices`` global
+      (``shard * capacity / n + slot``). With ``scope="mesh"`` (default) the draw is
+      over the whole buffer, exactly as one buffer of the total capacity holding the same
+      items with the same priorities draws it: the importance weights
+      :math:`(N P(i))^{-\beta} / \max_j (N P(j))^{-\beta}` use the global size
+      :math:`N`, probabilities :math:`P(i) = p_i / \sum_j p_j` and batch. With
+      ``scope="shard"`` each device draws its ``batch_size / n`` rows from its own shard
+      :math:`s` by the shard's priorities (keys folded with the device's position), as
+      flashbax under ``pmap`` does, and nothing crosses devices: the weights are
+      :math:`(N_s P_s(i))^{-\beta} / \max_j (N_s P_s(j))^{-\beta}` with the shard's size
+      :math:`N_s`, its probabilities :math:`P_s(i) = p_i / \sum_{j \in s} p_j` and the
+      maximum over the device's own rows (the single buffer's sample, on the shard).
+      The default differs from the uniform sample's: with balanced adds, a uniform draw
+      per shard keeps every item's probability :math:`1 / N`, a prioritized one does not.
+    - prioritized ``update(state, indices, priorities, versions=None, scope="mesh") ->
+      state``: the arguments of a sample (sharded like it); the rules of the single
+      buffer's ``update`` hold (stale versions, NaN and out-of-range entries ignored, the
+      last of duplicate indices wins). With ``scope="mesh"`` each priority reaches the
+      device that owns its index and new items get the largest priority set anywhere;
+      with ``scope="shard"`` (for the indices of a ``scope="shard"`` sample) each device
+      keeps the entries of its block that index its own shard, ignores the others, and
+      keeps its own largest priority: nothing crosses devices.
     - ``can_sample(state, batch_size) -> bool Array``: whether the buffer holds
       ``batch_size`` items (and, for ``scope="shard"`` sampling, every shard one).
     - ``put(state) -> state``: a state (e.g. from :func:`coax_utils.utils.load`) checked
@@ -251,7 +266,8 @@ def shard_buffer(
     ``shard_*`` functions are the per-device halves, for use inside a ``shard_map`` over
     ``mesh`` with the state's block (leading axis of size 1) and per-device batch sizes:
     ``shard_sample(block, key, batch_size)`` returns this device's ``batch_size`` rows of a
-    draw of ``n * batch_size``.
+    draw of ``n * batch_size``; ``scope`` is a keyword of ``shard_sample``,
+    ``shard_update`` and ``shard_can_sample`` as above.
 
     Parameters
     ----------
