@@ -36,23 +36,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from coax_utils.replay._batch_checks import ARRAY_TYPES, host_array
 from coax_utils.utils import SumTreeState
 
 __all__ = ["check_restored_state"]
-
-_ARRAY_TYPES = (np.ndarray, np.generic, jax.Array)
-
-
-def _array(x: Any, name: str, dtype: Any, shape: tuple) -> np.ndarray:
-    """``x`` as a host array, refused unless it has ``dtype`` and ``shape``."""
-    if not isinstance(x, _ARRAY_TYPES):
-        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
-    if np.dtype(x.dtype) != np.dtype(dtype) or tuple(x.shape) != shape:
-        raise ValueError(
-            f"{name} must be {np.dtype(dtype)} of shape {shape}, got {x.dtype} of shape "
-            f"{tuple(x.shape)}"
-        )
-    return np.asarray(x)
 
 
 def _first(bad: np.ndarray) -> str:
@@ -65,12 +52,12 @@ def _check_ring(state: Any) -> tuple[tuple, int, np.ndarray]:
     """Check the fields shared by the uniform and prioritized states; return the batch
     shape, the capacity and the mask of filled slots."""
     pos = state.pos
-    if not isinstance(pos, _ARRAY_TYPES):
+    if not isinstance(pos, ARRAY_TYPES):
         raise ValueError(f"pos must be an array, got {type(pos).__name__}")
     batch = tuple(pos.shape)
-    pos = _array(pos, "pos", np.int32, batch)
-    size = _array(state.size, "size", np.int32, batch)
-    counter = _array(state.episode_counter, "episode_counter", np.int32, batch)
+    pos = host_array(pos, "pos", np.int32, batch)
+    size = host_array(state.size, "size", np.int32, batch)
+    counter = host_array(state.episode_counter, "episode_counter", np.int32, batch)
     episode = state.episode
     shape = tuple(getattr(episode, "shape", ()))
     if len(shape) != len(batch) + 1 or shape[:-1] != batch or shape[-1] < 1:
@@ -78,9 +65,9 @@ def _check_ring(state: Any) -> tuple[tuple, int, np.ndarray]:
             f"episode must have the batch shape {batch} plus (capacity,), got shape {shape}"
         )
     capacity = shape[-1]
-    episode = _array(episode, "episode", np.int32, shape)
+    episode = host_array(episode, "episode", np.int32, shape)
     for k, leaf in enumerate(jax.tree_util.tree_leaves(state.items)):
-        if not isinstance(leaf, _ARRAY_TYPES):
+        if not isinstance(leaf, ARRAY_TYPES):
             raise ValueError(f"leaf {k} of items must be an array, got {type(leaf).__name__}")
         if tuple(leaf.shape[: len(shape)]) != shape:
             raise ValueError(
@@ -140,7 +127,7 @@ def check_restored_state(state: Any, prioritized: bool) -> None:
             f"the sum tree's nodes must be float32 with the batch shape {batch} in front, got "
             f"{nodes.dtype} of shape {nodes.shape}"
         )
-    top = _array(state.max_priority, "max_priority", np.float32, batch).astype(np.float64)
+    top = host_array(state.max_priority, "max_priority", np.float32, batch).astype(np.float64)
     bound = max(1.0, float(np.float32(tree.max_value)))
     if not np.all((top >= 1) & (top <= bound)):  # NaN fails too
         raise ValueError(
@@ -154,7 +141,7 @@ def check_restored_state(state: Any, prioritized: bool) -> None:
         raise ValueError(f"empty slots must have priority 0, slot {_first(bad)}")
     if np.any(values > top[..., None]):
         raise ValueError(f"a priority exceeds max_priority, slot {_first(values > top[..., None])}")
-    laps = _array(state.laps, "laps", np.int32, batch)
+    laps = host_array(state.laps, "laps", np.int32, batch)
     full = filled[..., -1]
     if np.any((laps < 0) | (full == (laps == 0))):
         raise ValueError(
