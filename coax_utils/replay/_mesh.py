@@ -386,22 +386,12 @@ def _build(shard: Any, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
         state = _local(block)
         check_state(state, rows)
         batch_size = check_static_int(batch_size, "batch_size")
-        me = jax.lax.axis_index(axis)
-        if scope == "shard":  # the shard's own sample, by its own priorities, size and batch
-            s = shard.sample(state, jax.random.fold_in(key, me), batch_size, beta)
-            return s.replace(indices=s.indices + me * rows)
         if beta is None:
             beta_ = jnp.float32(shard.beta)
         else:
             beta_ = jnp.nan_to_num(jnp.maximum(jnp.asarray(beta, jnp.float32), 0), nan=0.0)
-        totals = jax.lax.all_gather(sum_tree_total(state.tree), axis)
-        ends = jnp.cumsum(totals)
-        target = random_uniform(key, batch_size * n) * ends[-1]
-        last = jnp.max(jnp.where(totals > 0, jnp.arange(n), 0))
-        owner = jnp.minimum(jnp.searchsorted(ends, target, side="right"), last)
-        owner = owner.astype(jnp.int32)
-        mass = totals[owner]
-        u = jnp.where(mass > 0, (target - (ends[owner] - mass)) / jnp.where(mass > 0, mass, 1), 0)
+        me = jax.lax.axis_index(axis)
+        u = random_uniform(key, batch_size * n)  # the same on every device
 
         def resolve(u: jax.Array) -> tuple:
             slots, value = sum_tree_inverse_cdf(state.tree, u, return_values=True)
@@ -413,8 +403,23 @@ def _build(shard: Any, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
             )
             return row, value
 
-        got, low = _serve(owner, u, resolve, axis, n, round_rows(batch_size * n, n))
-        # (N P)^-beta / max (N P)^-beta == (p / min p)^-beta over the whole batch
+        if scope == "shard":  # this device's share of the uniforms, down its own tree
+            got, value = resolve(jax.lax.dynamic_slice_in_dim(u, me * batch_size, batch_size))
+            low = jnp.min(value)
+        else:
+            totals = jax.lax.all_gather(sum_tree_total(state.tree), axis)
+            ends = jnp.cumsum(totals)
+            target = u * ends[-1]
+            last = jnp.max(jnp.where(totals > 0, jnp.arange(n), 0))
+            owner = jnp.minimum(jnp.searchsorted(ends, target, side="right"), last)
+            owner = owner.astype(jnp.int32)
+            mass = totals[owner]
+            u = jnp.where(
+                mass > 0, (target - (ends[owner] - mass)) / jnp.where(mass > 0, mass, 1), 0
+            )
+            got, low = _serve(owner, u, resolve, axis, n, round_rows(batch_size * n, n))
+        # (N P)^-beta / max (N P)^-beta == (p / min p)^-beta over the batch (the whole one, or
+        # with scope="shard" the device's rows: N_s and the shard's total cancel likewise)
         ratio = jnp.where(low > 0, got["value"] / jnp.where(low > 0, low, 1), 1)
         weights = jnp.where(ratio > 1, jnp.power(ratio, -beta_), 1.0)
         return PrioritizedSample(got["items"], got["index"], weights, got["version"])
