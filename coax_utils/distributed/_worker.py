@@ -136,7 +136,9 @@ class RolloutWorker(RemoteClass):
       which flushes the writer, waits for the server's acknowledgements (at most
       ``stop(timeout)`` seconds) and returns the statistics. ``ray.kill(worker)`` ends the
       actor process at any time; the server keeps every chunk that reached it (a chunk
-      lands whole or not at all, and a writer's chunks in order). A worker
+      lands whole or not at all, and a writer's chunks in order): a killed worker loses at
+      most what it traced since its last acknowledgement (``transitions_sent -
+      transitions_added``), never an acknowledged transition. A worker
       that Ray restarts (``max_restarts``) starts over as constructed: statistics at 0, no
       background loop until ``start()`` is called again, and with a ``seed`` the same
       episodes again.
@@ -144,12 +146,11 @@ class RolloutWorker(RemoteClass):
     One chunk is in flight at a time; while a second full chunk waits for it (a rate
     limiter holding the adds), the worker waits too, and ``stop()`` interrupts that wait.
     An error while stepping or sending (raised by the server, e.g. a rejected chunk, or by
-    the env, ``policy`` or
-    ``priority_fn``) stops the worker, in ``run`` and ``stop`` as in the background loop:
-    that call and every later ``run``, ``start``, ``stop`` and ``stats`` raise it, so the
-    worker never steps on past transitions that did not reach the server. A failed
-    parameter pull (e.g. nothing published yet) changes nothing: ``run`` raises it and may
-    be called again; in the background loop it stops the worker too.
+    the env, ``policy`` or ``priority_fn``) stops the worker, in ``run`` and ``stop`` as in
+    the background loop: that call and every later ``run``, ``start``, ``stop`` and
+    ``stats`` raise it, so the worker never steps on past transitions that did not reach the
+    server. A failed parameter pull (e.g. nothing published yet) changes nothing: ``run``
+    raises it and may be called again; in the background loop it stops the worker too.
 
     Parameters
     ----------
@@ -372,7 +373,7 @@ class RolloutWorker(RemoteClass):
     # -- public methods (actor methods) ----------------------------------------------------
 
     def run(self, num_steps: int) -> dict[str, Any]:
-        """Take ``num_steps`` env steps, push every finished batch, wait for the server.
+        """Take ``num_steps`` env steps, send every traced transition, wait for the server.
 
         Every transition traced so far is sent (the writer is flushed) and acknowledged when
         this returns; transitions of unfinished n-step traces stay in the tracer.
@@ -456,7 +457,7 @@ class RolloutWorker(RemoteClass):
             check_float(timeout, "timeout", 0.0)
         if self._thread is not None:
             self._stop_event.set()
-            self._thread.join()  # the loop ends after its step, also while a push waits
+            self._thread.join()  # the loop ends after its step, also while the writer waits
             self._thread = None
             self._stop_event.clear()
         self._raise_error()
