@@ -4,8 +4,8 @@ Measured, round robin within each table, medians with min-max over the repetitio
 
 1. Transitions per second into a :class:`~coax_utils.distributed.ReplayServer` (wrapping a
    PrioritizedReplayBuffer) from 1 and 2 writer actors pushing ready-made batches of 32
-   CartPole-shaped transitions with up to 2 calls in flight (how RolloutWorker pushes),
-   against
+   CartPole-shaped transitions with up to 2 calls in flight (direct adds: how
+   RolloutWorker pushed before it sent through a ReplayWriter), against
    - a bare Ray actor whose ``add`` only counts (the floor set by Ray's transport),
    - the blocking pattern of coax's ``Worker.buffer_add`` (``ray.get`` on every add, one
      call in flight) into the same server,
