@@ -15,6 +15,9 @@ import importlib.metadata
 import pytest
 from packaging.version import Version
 
+# scripts the tests run in processes of their own (they read their arguments at import)
+collect_ignore = ["replay/mesh_driver.py"]
+
 
 def missing_versions(versions: dict[str, str]) -> list[str]:
     """``"jax>=0.8 (installed 0.4.36)"`` for each distribution older than required."""
