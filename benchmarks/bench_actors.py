@@ -46,6 +46,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
+from bench_distributed import gymnasium_loop, uniform, workers_run  # noqa: E402
 
 from coax_utils.replay import NStep  # noqa: E402
 
@@ -168,10 +169,6 @@ def bench_tracing(reps: int, num_vector_steps: int, before: str) -> list[dict]:
     return rows
 
 
-def uniform(params, s, rng):
-    return int(rng.integers(2))
-
-
 def uniform_batch(params, S, rng):
     return rng.integers(2, size=len(S))
 
@@ -185,7 +182,6 @@ def sync_cartpoles(num_envs: int):
 def bench_rollouts(reps: int, seconds: float, chunk_size: int, env_counts: list[int]) -> list[dict]:
     import functools
 
-    import gymnasium
     import ray
 
     from coax_utils.distributed import ReplayServer, RolloutWorker
@@ -207,41 +203,14 @@ def bench_rollouts(reps: int, seconds: float, chunk_size: int, env_counts: list[
         ]
         for kind, kw in kinds.items()
     }
-    env = gymnasium.make("CartPole-v1")
-    rng = np.random.default_rng(0)
     loop_steps = max(1000, int(seconds * 50_000))
 
-    def local_loop():
-        env.reset(seed=0)
-        tic = time.perf_counter()
-        for _ in range(loop_steps):
-            _, _, terminated, truncated, _ = env.step(uniform(None, None, rng))
-            if terminated or truncated:
-                env.reset()
-        return loop_steps, time.perf_counter() - tic
-
-    def workers_variant(group, k, num_steps):
-        def run():
-            before = ray.get([w.stats.remote() for w in group[:k]])
-            num_before = ray.get(server.num_added.remote())
-            tic = time.perf_counter()
-            after = ray.get([w.run.remote(num_steps) for w in group[:k]])
-            elapsed = time.perf_counter() - tic
-            added = ray.get(server.num_added.remote()) - num_before
-            pushed = sum(
-                a["transitions_added"] - b["transitions_added"] for a, b in zip(after, before)
-            )
-            assert added == pushed > 0, (added, pushed)  # nothing lost
-            return added, elapsed
-
-        return run
-
     loop_name = "gymnasium loop in-process (env steps/s)"
-    runs = {loop_name: local_loop}
+    runs = {loop_name: gymnasium_loop(loop_steps)}
     for kind, group in workers.items():
         num_steps = max(2 * chunk_size, int(seconds * (10_000 if "None" in kind else 60_000)))
         for k in (1, 2):
-            runs[f"RolloutWorker x{k}, {kind}"] = workers_variant(group, k, num_steps)
+            runs[f"RolloutWorker x{k}, {kind}"] = workers_run(server, group[:k], num_steps)
     for run in runs.values():  # warm-up
         run()
     rates = {name: [] for name in runs}

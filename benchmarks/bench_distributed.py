@@ -166,6 +166,45 @@ def uniform(params, s, rng):
     return int(rng.integers(2))
 
 
+def gymnasium_loop(num_steps: int):
+    """A plain gymnasium CartPole-v1 loop with a random policy in this process: a callable
+    returning ``(env steps, seconds)``."""
+    import gymnasium
+
+    env = gymnasium.make("CartPole-v1")
+    rng = np.random.default_rng(0)
+
+    def run():
+        env.reset(seed=0)
+        tic = time.perf_counter()
+        for _ in range(num_steps):
+            _, _, terminated, truncated, _ = env.step(uniform(None, None, rng))
+            if terminated or truncated:
+                env.reset()
+        return num_steps, time.perf_counter() - tic
+
+    return run
+
+
+def workers_run(server, workers: list, num_steps: int):
+    """The ``workers`` (RolloutWorker actors) each running ``num_steps`` into ``server``: a
+    callable returning ``(transitions added to the server, seconds)``; nothing is lost."""
+    import ray
+
+    def run():
+        before = ray.get([w.stats.remote() for w in workers])
+        num_before = ray.get(server.num_added.remote())
+        tic = time.perf_counter()
+        after = ray.get([w.run.remote(num_steps) for w in workers])
+        elapsed = time.perf_counter() - tic
+        added = ray.get(server.num_added.remote()) - num_before
+        pushed = sum(a["transitions_added"] - b["transitions_added"] for a, b in zip(after, before))
+        assert added == pushed > 0, (added, pushed)  # nothing lost
+        return added, elapsed
+
+    return run
+
+
 def summarize(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
@@ -247,45 +286,16 @@ def bench_writes(reps: int, num_batches: int) -> None:
 
 
 def bench_rollouts(reps: int, num_steps: int) -> None:
-    import gymnasium
 
     server = ReplayServer.remote(PrioritizedReplayBuffer(CAPACITY, random_seed=0))
     workers = [
         RolloutWorker.remote("CartPole-v1", uniform, server, 0, n=3, batch_size=BATCH, seed=s)
         for s in (1, 2)
     ]
-    env = gymnasium.make("CartPole-v1")
-    rng = np.random.default_rng(0)
-
-    def local_loop():
-        env.reset(seed=0)
-        tic = time.perf_counter()
-        for _ in range(num_steps):
-            _, _, terminated, truncated, _ = env.step(uniform(None, None, rng))
-            if terminated or truncated:
-                env.reset()
-        return num_steps, time.perf_counter() - tic
-
-    def workers_variant(k):
-        def run():
-            before = ray.get([w.stats.remote() for w in workers[:k]])
-            num_before = ray.get(server.num_added.remote())
-            tic = time.perf_counter()
-            after = ray.get([w.run.remote(num_steps) for w in workers[:k]])
-            elapsed = time.perf_counter() - tic
-            added = ray.get(server.num_added.remote()) - num_before
-            pushed = sum(
-                a["transitions_added"] - b["transitions_added"] for a, b in zip(after, before)
-            )
-            assert added == pushed > 0, (added, pushed)  # nothing lost
-            return added, elapsed
-
-        return run
-
     runs = {
-        "RolloutWorker x1": workers_variant(1),
-        "RolloutWorker x2": workers_variant(2),
-        "gymnasium loop in-process (env steps/s)": local_loop,
+        "RolloutWorker x1": workers_run(server, workers[:1], num_steps),
+        "RolloutWorker x2": workers_run(server, workers[:2], num_steps),
+        "gymnasium loop in-process (env steps/s)": gymnasium_loop(num_steps),
     }
     for run in runs.values():  # warm-up
         run()
