@@ -449,22 +449,20 @@ def _build(shard: Any, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
         words = jax.lax.all_gather(jnp.stack(words), axis, axis=1, tiled=True)
         me = jax.lax.axis_index(axis)
         mine = (words[0] >= 0) & (words[0] // rows == me)
-        local = words[0] - me * rows
-        rank, counts = _ranks(jnp.where(mine, 0, 1), 2)
+        words = words.at[0].add(-me * rows)  # slots of this shard
+        rank = jnp.cumsum(mine, dtype=jnp.int32) - 1  # among this shard's entries
         per_round = round_rows(count * n, n)
+        fill = jnp.array([-1, 0, -1][: words.shape[0]], jnp.int32)[:, None]
 
         def one_round(r: jax.Array, state: Any) -> Any:
-            # this shard's entries, in their order (the last of duplicates wins)
+            # this shard's entries, in their order (the last of duplicates wins): one scatter
             slot = jnp.where(mine & (rank >= r * per_round), rank - r * per_round, per_round)
+            taken = jnp.broadcast_to(fill, (fill.shape[0], per_round))
+            taken = taken.at[:, slot].set(words, mode="drop")
+            p = jax.lax.bitcast_convert_type(taken[1], jnp.float32)
+            return shard.update(state, taken[0], p, None if versions is None else taken[2])
 
-            def take(x: jax.Array, fill: int) -> jax.Array:
-                return jnp.full((per_round,), fill, x.dtype).at[slot].set(x, mode="drop")
-
-            v = None if versions is None else take(words[2], -1)
-            p = jax.lax.bitcast_convert_type(take(words[1], 0), jnp.float32)
-            return shard.update(state, take(local, -1), p, v)
-
-        rounds = (counts[0] + per_round - 1) // per_round
+        rounds = (rank[-1] + per_round) // per_round
         new = jax.lax.fori_loop(0, rounds, one_round, state)
         return _block(new.replace(max_priority=jax.lax.pmax(new.max_priority, axis)))
 
