@@ -31,6 +31,7 @@ def test_import_with_ray_exports_the_actors():
         "RateLimiter",
         "ReplayServer",
         "ReplayShardError",
+        "ReplayWriter",
         "RolloutWorker",
         "ShardedReplay",
     ]
