@@ -18,6 +18,9 @@ What lives where, and what crosses devices (``n`` devices, ``E`` envs per device
   the weights), the sampled indices and new priorities (an all-gather, so each shard
   updates its own), the largest priority, the gradients (``pmean``) and the episode
   statistics (``psum``). Transitions are written where they are made: nothing crosses.
+  With ``scope="shard"`` given to ``shard_sample`` and ``shard_update``, each device would
+  sample its own shard by its own priorities instead (as flashbax under ``pmap``), and
+  only the gradients and the statistics would cross.
 
 On a CPU, run it on 8 host devices with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/anakin_dqn.py``.
