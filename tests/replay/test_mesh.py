@@ -2,9 +2,11 @@
 
 The checks on 1, 2 and 8 forced CPU devices run in ``tests/replay/mesh_driver.py``, one
 process per device count (the device count is fixed when jax starts): sampled distributions
-against one buffer's (chi-square) and the importance-weight formula, updates reaching the
-owning shard, checkpoints restored onto the mesh continuing the same stream, bad input
-refused before anything is written, everything under ``jax.transfer_guard("disallow")``.
+against one buffer's (chi-square) and the importance-weight formula, and with
+``scope="shard"`` each shard's frequencies against its own priorities, the per-shard weights
+and no collective in the compiled sample and update; updates reaching the owning shard,
+checkpoints restored onto the mesh continuing the same stream, bad input refused before
+anything is written, everything under ``jax.transfer_guard("disallow")``.
 """
 
 from __future__ import annotations
