@@ -8,6 +8,7 @@ The examples import this module as ``_common`` (Python puts a script's folder on
 - :func:`print_progress`: one progress line (step, episodes, recent average return, any
   metrics, steps per second);
 - :func:`evaluate`: the average return of a policy over a few episodes of a gymnasium env;
+  :func:`evaluate_gymnax` the same for a gymnax env, all episodes at once in compiled code;
 - :func:`write_returns` and :func:`read_returns`: the learning curve, one row per finished
   episode (the environment step at which it ended and its return), in ``returns.csv`` in the
   run's output folder; ``examples/plot_returns.py`` draws it.
@@ -139,6 +140,32 @@ def evaluate(
             done = terminated or truncated
         returns.append(total)
     return float(np.mean(returns))
+
+
+def evaluate_gymnax(env: Any, env_params: Any, policy: Callable, key: Any, num_episodes: int = 10):
+    """The average undiscounted return of ``policy(observation) -> action`` over
+    ``num_episodes`` episodes of the gymnax env ``env``, run at once (``vmap`` over episodes,
+    ``scan`` over steps; jittable): a float32 scalar array."""
+    import jax
+    import jax.numpy as jnp
+
+    from coax_utils.envs import step_without_autoreset
+
+    def episode(key):
+        def body(carry, step_key):
+            obs, env_state, alive, total = carry
+            obs, env_state, reward, terminated, truncated, _ = step_without_autoreset(
+                env, step_key, env_state, policy(obs), env_params
+            )
+            alive_next = alive & ~(terminated | truncated)
+            return (obs, env_state, alive_next, total + jnp.where(alive, reward, 0.0)), None
+
+        obs, env_state = env.reset(key, env_params)
+        carry = (obs, env_state, jnp.ones([], bool), jnp.zeros([], jnp.float32))
+        steps = jax.random.split(key, env_params.max_steps_in_episode)
+        return jax.lax.scan(body, carry, steps)[0][3]
+
+    return jnp.mean(jax.vmap(episode)(jax.random.split(key, num_episodes)))
 
 
 def write_returns(outdir: Path | str, env_steps: Sequence[int], returns: Sequence[float]) -> Path:

@@ -168,23 +168,9 @@ def make_train_chunk(buffer, mesh, chunk_size, warmup, batch_per_device, epsilon
 @jax.jit
 def evaluate_gymnax(params, key):
     """The greedy policy's average return over 10 episodes of gymnax's CartPole, at once."""
-
-    def episode(key):
-        def body(carry, step_key):
-            obs, env_state, alive, total = carry
-            action = jnp.argmax(q_net.apply(params, obs))
-            obs, env_state, reward, terminated, truncated, _ = step_without_autoreset(
-                cartpole, step_key, env_state, action, cartpole_params
-            )
-            alive_next = alive & ~(terminated | truncated)
-            return (obs, env_state, alive_next, total + jnp.where(alive, reward, 0.0)), None
-
-        obs, env_state = cartpole.reset(key, cartpole_params)
-        carry = (obs, env_state, jnp.ones([], bool), jnp.zeros([], jnp.float32))
-        steps = jax.random.split(key, cartpole_params.max_steps_in_episode)
-        return jax.lax.scan(body, carry, steps)[0][3]
-
-    return jnp.mean(jax.vmap(episode)(jax.random.split(key, 10)))
+    return _common.evaluate_gymnax(
+        cartpole, cartpole_params, lambda obs: jnp.argmax(q_net.apply(params, obs)), key
+    )
 
 
 def main() -> int:

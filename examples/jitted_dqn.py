@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from coax_utils import utils
-from coax_utils.envs import GymnasiumToJax, step_without_autoreset
+from coax_utils.envs import GymnasiumToJax
 from coax_utils.replay import make_prioritized_buffer
 from coax_utils.sources import GymnaxSource, GymnaxSourceState
 
@@ -147,23 +147,9 @@ def greedy_action(params, s):
 @utils.jit
 def evaluate_gymnax(params, key):
     """The greedy policy's average return over 10 episodes of gymnax's CartPole, at once."""
-
-    def episode(key):
-        def body(carry, step_key):
-            obs, env_state, alive, total = carry
-            action = greedy_action(params, obs)
-            obs, env_state, reward, terminated, truncated, _ = step_without_autoreset(
-                cartpole, step_key, env_state, action, cartpole_params
-            )
-            alive_next = alive & ~(terminated | truncated)
-            return (obs, env_state, alive_next, total + jnp.where(alive, reward, 0.0)), None
-
-        obs, env_state = cartpole.reset(key, cartpole_params)
-        carry = (obs, env_state, jnp.ones([], bool), jnp.zeros([], jnp.float32))
-        steps = jax.random.split(key, cartpole_params.max_steps_in_episode)
-        return jax.lax.scan(body, carry, steps)[0][3]
-
-    return jnp.mean(jax.vmap(episode)(jax.random.split(key, 10)))
+    return _common.evaluate_gymnax(
+        cartpole, cartpole_params, lambda obs: greedy_action(params, obs), key
+    )
 
 
 def main() -> int:
