@@ -282,7 +282,7 @@ def test_vector_recording_equals_one_tracer_per_sub_env_in_every_autoreset_mode(
 
 
 def test_gymnax_vector_wrapper_final_observation_is_recorded():
-    gymnax = pytest.importorskip("gymnax")  # part of the dev extra, which the tests need
+    import gymnax
     from gymnax.wrappers.gym import GymnaxToVectorGymWrapper
 
     gx_env, params = gymnax.make("CartPole-v1")
@@ -305,7 +305,7 @@ def test_vector_recorder_refuses_tracers_it_cannot_vectorize():
 
 
 def test_gymnax_final_observation_reaches_recorded_sequences():
-    gymnax = pytest.importorskip("gymnax")
+    import gymnax
     from gymnax.wrappers.gym import GymnaxToVectorGymWrapper
 
     from coax_utils.replay import RecordVectorSequences, SequenceReplayBuffer
