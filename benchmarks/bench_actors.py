@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import types
 
@@ -46,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
-from bench_distributed import gymnasium_loop, uniform, workers_run  # noqa: E402
+from bench_distributed import gymnasium_loop, local_ray, uniform, workers_run  # noqa: E402
 
 from coax_utils.replay import NStep  # noqa: E402
 
@@ -258,23 +256,9 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start")
     rows = bench_tracing(reps, 50 if args.quick else 400, args.before)
     if not args.tracing_only:
-        import ray
-
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            _temp_dir=temp_dir,
-            log_to_driver=False,
-        )
-        try:
+        with local_ray():
             env_counts = [int(k) for k in args.worker_envs.split(",")]
             rows += bench_rollouts(reps, 0.1 if args.quick else 1.0, args.chunk_size, env_counts)
-        finally:
-            ray.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     _results.write(args.results, "actors", rows)
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import shutil
 import statistics
@@ -68,10 +69,10 @@ from coax_utils.distributed import (
     PrefetchingSampler,
     RateLimiter,
     ReplayServer,
+    ReplayWriter,
     RolloutWorker,
     ShardedReplay,
 )
-from coax_utils.distributed._writer import ReplayWriter
 from coax_utils.replay import PrioritizedReplayBuffer, TransitionBatch
 
 BATCH = 32
@@ -164,6 +165,27 @@ class Writer:
 
 def uniform(params, s, rng):
     return int(rng.integers(2))
+
+
+@contextlib.contextmanager
+def local_ray():
+    """A local Ray cluster of 2 CPUs in a temp folder, shut down and removed afterwards."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        log_to_driver=False,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def gymnasium_loop(num_steps: int):
@@ -781,16 +803,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     reps = 2 if args.quick else 9
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        _temp_dir=temp_dir,
-        log_to_driver=False,
-    )
-    try:
+    with local_ray():
         print(f"Ray {ray.__version__}, {os.cpu_count()} CPUs, local cluster with num_cpus=2")
         if args.chunked:
             sizes = tuple(int(c) for c in args.chunk_sizes.split(","))
@@ -819,9 +832,6 @@ def main() -> None:
         bench_writes(reps, num_batches=10 if args.quick else 100)
         bench_rollouts(reps, num_steps=100 if args.quick else 1500)
         bench_sample_latency(reps, calls=5 if args.quick else 60)
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
