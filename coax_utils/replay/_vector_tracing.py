@@ -9,6 +9,7 @@ sub-env fed the same steps.
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any
 
@@ -94,7 +95,7 @@ def _leaves(tree: Any, name: str, num_envs: int) -> tuple[list[np.ndarray], Any]
     return out, treedef
 
 
-class _VectorTracer:
+class _VectorTracer(abc.ABC):
     """The ring buffers and episode flags shared by the vector tracers."""
 
     gamma: float
@@ -136,8 +137,9 @@ class _VectorTracer:
         """The number of steps held, all sub-envs together."""
         return int(self._count.sum())
 
+    @abc.abstractmethod
     def _available(self) -> np.ndarray:
-        raise NotImplementedError
+        """Per sub-env, whether a transition can be popped."""
 
     def __bool__(self) -> bool:
         return bool(self._available().any())
@@ -357,8 +359,9 @@ class _VectorTracer:
             W=self._w[env, pos],
         )
 
+    @abc.abstractmethod
     def pop(self, return_envs: bool = False) -> Any:
-        raise NotImplementedError
+        """Pop every available transition."""
 
     def flush(self) -> TransitionBatch:
         """Pop every available transition (the same as :meth:`pop`)."""
