@@ -44,7 +44,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
-from bench_distributed import gymnasium_loop, local_ray, uniform, workers_run  # noqa: E402
+from bench_distributed import (  # noqa: E402
+    gymnasium_loop,
+    local_ray,
+    rates_round_robin,
+    uniform,
+    workers_run,
+)
 
 from coax_utils.replay import NStep  # noqa: E402
 
@@ -209,13 +215,7 @@ def bench_rollouts(reps: int, seconds: float, chunk_size: int, env_counts: list[
         num_steps = max(2 * chunk_size, int(seconds * (10_000 if "None" in kind else 60_000)))
         for k in (1, 2):
             runs[f"RolloutWorker x{k}, {kind}"] = workers_run(server, group[:k], num_steps)
-    for run in runs.values():  # warm-up
-        run()
-    rates = {name: [] for name in runs}
-    for _ in range(reps):
-        for name, run in runs.items():
-            n, elapsed = run()
-            rates[name].append(n / elapsed)
+    rates = rates_round_robin(runs, reps)
     base = statistics.median(rates[loop_name])
     print(
         f"\n2. Env steps/s (workers: transitions acknowledged/s) on CartPole-v1, random policy, "

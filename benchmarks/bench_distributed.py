@@ -188,6 +188,19 @@ def local_ray():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def rates_round_robin(runs: dict, reps: int) -> dict:
+    """Per run (a callable returning ``(count, seconds)``), its rates over ``reps`` rounds,
+    round robin after one warm-up call each."""
+    for run in runs.values():  # warm-up
+        run()
+    rates = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            n, elapsed = run()
+            rates[name].append(n / elapsed)
+    return rates
+
+
 def gymnasium_loop(num_steps: int):
     """A plain gymnasium CartPole-v1 loop with a random policy in this process: a callable
     returning ``(env steps, seconds)``."""
@@ -319,13 +332,7 @@ def bench_rollouts(reps: int, num_steps: int) -> None:
         "RolloutWorker x2": workers_run(server, workers[:2], num_steps),
         "gymnasium loop in-process (env steps/s)": gymnasium_loop(num_steps),
     }
-    for run in runs.values():  # warm-up
-        run()
-    rates = {name: [] for name in runs}
-    for _ in range(reps):
-        for name, run in runs.items():
-            n, elapsed = run()
-            rates[name].append(n / elapsed)
+    rates = rates_round_robin(runs, reps)
     sample = ray.get(server.sample.remote(SAMPLE))
     assert set(np.unique(sample.In).tolist()) <= {0.0, float(np.float32(0.99**3))}
     base = statistics.median(rates["gymnasium loop in-process (env steps/s)"])
