@@ -47,7 +47,8 @@ def check_capacity(capacity: Any) -> int:
 
 
 def check_static_int(value: Any, name: str) -> int:
-    return check_int(value, name, low=1)
+    """A static size (a batch size, a length): an int in ``[1, 2**31 - 1]`` (int32 indices)."""
+    return check_int(value, name, low=1, high=2**31 - 1)
 
 
 def compiled(fn: Callable, static_argnums: tuple[int, ...] = ()) -> Callable:

@@ -439,3 +439,12 @@ def test_update_refuses_priorities_that_do_not_pair_up_with_the_indices():
         sum_tree_values(one.tree)[:6],
         sum_tree_values(buffer.update(state, indices, 2.0 * np.ones((2, 3))).tree)[:6],
     )
+
+
+@pytest.mark.parametrize("make", [make_uniform_buffer, make_prioritized_buffer])
+@pytest.mark.parametrize("batch_size", [0, 2**31, 2**40])
+def test_sample_refuses_batch_sizes_outside_int32(make, batch_size):
+    buffer = make(8)
+    state = buffer.add(buffer.init(jnp.zeros(2)), jnp.ones((4, 2)))
+    with pytest.raises(ValueError, match="batch_size must be >= 1 and <= 2147483647"):
+        buffer.sample(state, jax.random.key(0), batch_size)
