@@ -144,6 +144,7 @@ class SequenceBuffer:
     reset_chains: Callable[..., SequenceBufferState]
     sample: Callable[..., SequenceReplaySample]
     can_sample: Callable[..., jax.Array]
+    gather: Callable[..., SequenceReplaySample]
     capacity: int
     length: int
     period: int
@@ -160,6 +161,7 @@ class PrioritizedSequenceBuffer:
     reset_chains: Callable[..., PrioritizedSequenceBufferState]
     sample: Callable[..., SequenceReplaySample]
     can_sample: Callable[..., jax.Array]
+    gather: Callable[..., SequenceReplaySample]
     update: Callable[..., PrioritizedSequenceBufferState]
     capacity: int
     length: int
@@ -337,7 +339,9 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
             chain_start=jnp.where(mask, 0, state.chain_start).astype(jnp.int32),
         )
 
-    def gather(state: Any, slots: jax.Array, weights: jax.Array, versions: Any) -> Any:
+    def gather(state: Any, slots: jax.Array, weights: Any = None, versions: Any = None) -> Any:
+        if weights is None:
+            weights = jnp.ones(jnp.shape(slots), jnp.float32)
         rows = _gather_windows(
             (state.steps, state.core, state.seq_len, state.seq_end, state.seq_first), slots
         )
@@ -429,7 +433,7 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
     config = (C, L, P, B, E)
     if not prioritized:
         return SequenceBuffer(
-            init, add, reset_chains, compiled(sample_uniform, (2,)), can_sample, *config
+            init, add, reset_chains, compiled(sample_uniform, (2,)), can_sample, gather, *config
         )
     compiled_update = compiled(update_traced)
     compiled_sample = compiled(sample_prioritized, (2,))
@@ -439,7 +443,7 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
         return compiled_sample(state, key, batch_size, beta)
 
     return PrioritizedSequenceBuffer(
-        init, add, reset_chains, sample, can_sample, update, *config, *hyper
+        init, add, reset_chains, sample, can_sample, gather, update, *config, *hyper
     )
 
 
@@ -461,6 +465,9 @@ def make_sequence_buffer(
     - ``reset_chains(state, mask=None)``: start new episodes in the chains of ``mask``.
     - ``sample(state, key, batch_size)``: ``batch_size`` (static) windows, uniformly.
     - ``can_sample(state, batch_size)``: whether a window was written.
+    - ``gather(state, slots, weights=None, versions=None)``: the sample of the windows
+      stored in ``slots`` (int32, in range; jittable, not compiled): what ``sample`` returns
+      for the slots it drew, for samplers of one's own (e.g. over a mesh).
 
     All are jittable; ``add`` and ``sample`` come compiled. Structure, shape and dtype
     mismatches raise ValueError while tracing (before anything is written).

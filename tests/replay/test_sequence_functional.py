@@ -81,6 +81,11 @@ def test_twins_agree_on_the_same_stream(length, period, burn_in, num_envs, capac
     sample = jax.tree_util.tree_map(np.asarray, sample)
     sample = sample.replace(indices=ids_of(sample.indices, host._count, capacity))
     check_sample(sample, host, expected)
+    # gather: the sample of given slots, as sample returns it for the slots it drew
+    drawn = fn.sample(state, jax.random.key(2), 8)
+    again = jax.jit(fn.gather)(state, drawn.indices, drawn.weights, drawn.versions)
+    for a, b in zip(jax.tree_util.tree_leaves(drawn), jax.tree_util.tree_leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     uniform = make_sequence_buffer(capacity, length, period, burn_in, num_envs)
     plain = SequenceReplayBuffer(capacity, length, period, burn_in, num_envs)
     assert_same_windows(plain, feed(calls, plain, uniform, uniform.init(*example(calls))))
