@@ -29,6 +29,7 @@ from coax_utils.replay._functional import (
     host_indices,
     make_prioritized_buffer,
     make_uniform_buffer,
+    slot_versions,
 )
 from coax_utils.replay._transition import TransitionBatch
 from coax_utils.utils import sum_tree_set, sum_tree_total
@@ -42,7 +43,7 @@ __all__ = [
     "make_prioritized_frame_stack_buffer",
 ]
 
-_REJECTION_ROUNDS = 32
+REJECTION_ROUNDS = 32  # redraws of transitions that lost frames (uniform sample)
 _PRUNE_CHUNK = 64  # transitions checked per round for lost frames (prioritized add)
 
 
@@ -99,9 +100,11 @@ class FrameStackBuffer:
     add: Callable[[FrameStackBufferState, TransitionBatch], FrameStackBufferState]
     sample: Callable[[FrameStackBufferState, jax.Array, int], TransitionBatch]
     can_sample: Callable[[FrameStackBufferState, int], jax.Array]
+    gather: Callable[[FrameStackBufferState, jax.Array], TransitionBatch]
     capacity: int
     stack_size: int
     frame_capacity: int
+    window: int
 
 
 def make_frame_stack_buffer(
@@ -143,9 +146,15 @@ def make_frame_stack_buffer(
     buffer : FrameStackBuffer
         ``init(example_transition)`` (a :class:`TransitionBatch` without batch axis),
         ``add(state, transition_batch)``, ``sample(state, key, batch_size)`` (a
-        :class:`TransitionBatch`) and ``can_sample(state, batch_size)``, all jittable
-        (``batch_size`` static); ``add`` and ``sample`` come compiled, as those of
-        :func:`make_uniform_buffer`.
+        :class:`TransitionBatch`), ``can_sample(state, batch_size)`` and
+        ``gather(state, slots)``, all jittable (``batch_size`` static); ``add`` and
+        ``sample`` come compiled, as those of :func:`make_uniform_buffer`. ``gather``
+        (not compiled) returns the transitions stored in ``slots`` (int32, in
+        ``[0, size)``), stacks rebuilt, for samplers of one's own (e.g. over a mesh): what
+        ``sample`` returns for the slots it drew, except that ``gather`` does not redraw
+        transitions that lost frames (their stacks come back with the frames now in those
+        rows). ``window`` is the window in use (the argument, at most what
+        ``frame_capacity`` leaves room for).
 
     Raises
     ------
@@ -186,7 +195,7 @@ def make_frame_stack_buffer(
 
         def again(carry: tuple) -> jax.Array:
             i, _, _, dead = carry
-            return (i < _REJECTION_ROUNDS) & jnp.any(dead)
+            return (i < REJECTION_ROUNDS) & jnp.any(dead)
 
         key, sub = jax.random.split(key)
         slots = draw(sub)  # checked from the frame ids of the drawn slots alone
@@ -197,14 +206,21 @@ def make_frame_stack_buffer(
     def can_sample(state: FrameStackBufferState, batch_size: int) -> jax.Array:
         return inner.can_sample(state.transitions, batch_size)
 
+    def gather(state: FrameStackBufferState, slots: jax.Array) -> TransitionBatch:
+        ring.check_state(state, capacity)
+        return ring.rebuild(state.frames, gather_rows(state.transitions.items, slots))
+
+    gather.__doc__ = "The transitions stored in ``slots`` (int32, in range), stacks rebuilt."
     return FrameStackBuffer(
         init=init,
         add=compiled(add),
         sample=compiled(sample, (2,)),
         can_sample=can_sample,
+        gather=gather,
         capacity=capacity,
         stack_size=ring.k,
         frame_capacity=ring.capacity,
+        window=ring.window,
     )
 
 
@@ -261,9 +277,11 @@ class PrioritizedFrameStackBuffer:
     update: Callable[
         [PrioritizedFrameStackBufferState, jax.Array, jax.Array], PrioritizedFrameStackBufferState
     ]
+    gather: Callable[..., PrioritizedSample]
     capacity: int
     stack_size: int
     frame_capacity: int
+    window: int
     alpha: float
     beta: float
     epsilon: float
@@ -327,9 +345,15 @@ def make_prioritized_frame_stack_buffer(
         priorities, versions=None)`` (pass the sample's ``versions``: an update of a slot
         written since it was sampled is ignored, as by the host buffer) and
         ``can_sample(state, batch_size)`` (false while no transition with all its frames is
-        stored), all jittable (``batch_size`` static) and donation-friendly;
-        ``add``, ``sample`` and ``update`` come compiled, as those of
-        :func:`make_prioritized_buffer`.
+        stored) and ``gather(state, slots, weights=None, versions=None)``, all jittable
+        (``batch_size`` static) and donation-friendly; ``add``, ``sample`` and ``update``
+        come compiled, as those of :func:`make_prioritized_buffer`. ``gather`` (not
+        compiled) returns the :class:`PrioritizedSample` of the transitions stored in
+        ``slots`` (int32, in ``[0, size)``), for samplers of one's own (e.g. over a mesh):
+        ``indices`` the slots, ``weights`` those given (default 1) and ``versions`` those
+        given (default the slots' current versions), so that a sample's slots, weights and
+        versions give the sample back. ``window`` is the window in use, as in
+        :func:`make_frame_stack_buffer`.
 
     Raises
     ------
@@ -448,6 +472,21 @@ def make_prioritized_frame_stack_buffer(
         has_frames = sum_tree_total(state.transitions.tree) > 0
         return inner.can_sample(state.transitions, batch_size) & has_frames
 
+    def gather(
+        state: PrioritizedFrameStackBufferState,
+        slots: jax.Array,
+        weights: Any = None,
+        versions: Any = None,
+    ) -> PrioritizedSample:
+        ring.check_state(state, capacity)
+        stored = state.transitions
+        items = ring.rebuild(state.frames, gather_rows(stored.items, slots))
+        if weights is None:
+            weights = jnp.ones(jnp.shape(slots), jnp.float32)
+        if versions is None:
+            versions = slot_versions(stored, slots)
+        return PrioritizedSample(items, slots, weights, versions)
+
     init.__doc__ = "Allocate the state for transitions shaped like ``example`` (no batch axis)."
     add.__doc__ = "Add a batch of transitions with the maximum priority; return the new state."
     sample.__doc__ = "Sample ``batch_size`` (static) transitions by priority, with IS weights."
@@ -456,15 +495,18 @@ def make_prioritized_frame_stack_buffer(
         "those not written since); return the new state."
     )
     can_sample.__doc__ = "Whether ``batch_size`` transitions with all their frames are stored."
+    gather.__doc__ = "The :class:`PrioritizedSample` of the transitions stored in ``slots``."
     return PrioritizedFrameStackBuffer(
         init=init,
         add=compiled(add),
         sample=sample,
         can_sample=can_sample,
         update=update,
+        gather=gather,
         capacity=capacity,
         stack_size=ring.k,
         frame_capacity=ring.capacity,
+        window=ring.window,
         alpha=inner.alpha,
         beta=inner.beta,
         epsilon=inner.epsilon,
