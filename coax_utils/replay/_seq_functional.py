@@ -57,8 +57,8 @@ class SequenceBufferState:
     Attributes
     ----------
     steps : pytree
-        The stored windows, leaves of shape ``(capacity, length, ...)`` (steps past a
-        window's valid length hold anything: samples pad them with its last valid step).
+        The stored windows, leaves of shape ``(capacity, length, ...)``; the steps past a
+        window's valid length hold its last valid step (the padding samples return).
     core : pytree
         The core state at each window's first step, leaves ``(capacity, ...)``.
     seq_len : int32 Array, shape ``(capacity,)``
@@ -293,7 +293,10 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
             return s.at[slots].set(x, mode="drop", unique_indices=True)
 
         def store_windows(new: Any) -> Any:
-            order = (start[:, None] + jnp.arange(L, dtype=jnp.int32)) % L  # the ring in order
+            # the ring in order, the steps past the valid ones padded with the last valid one
+            valid = jnp.where(full, L, jnp.maximum(n, 1))
+            t = jnp.minimum(jnp.arange(L, dtype=jnp.int32), valid[:, None] - 1)
+            order = (start[:, None] + t) % L
 
             def window(p: jax.Array) -> jax.Array:
                 return jnp.take_along_axis(p, order.reshape(order.shape + (1,) * (p.ndim - 2)), 1)
@@ -347,16 +350,6 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
         )
         items, core, lengths, end, first = rows
         t = jnp.arange(L, dtype=jnp.int32)
-
-        def pad(items: Any) -> Any:  # the tail past the valid steps: the last valid step
-            src = jnp.minimum(t, jnp.maximum(lengths[:, None], 1) - 1)
-
-            def one(x: jax.Array) -> jax.Array:
-                return jnp.take_along_axis(x, src.reshape(src.shape + (1,) * (x.ndim - 2)), 1)
-
-            return jax.tree_util.tree_map(one, items)
-
-        items = jax.lax.cond(jnp.any(lengths < L), pad, lambda x: x, items)
         mask = t < lengths[:, None]
         last = t == lengths[:, None] - 1
         return SequenceReplaySample(

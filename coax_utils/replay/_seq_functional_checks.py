@@ -5,9 +5,9 @@ A checkpoint rebuilds a :class:`SequenceBufferState` or
 calls :func:`check_restored_sequence_state`, which refuses (ValueError) a state that no
 sequence of ``add``, ``reset_chains`` and ``update`` calls can produce and that would make
 the buffer read or sample the wrong rows. The checks run on host copies of the small arrays
-(never of the steps), vectorised, with any leading batch axes of a :func:`jax.vmap` of
-buffers (the shape of ``pos``; every other field has them in front); a refusal names the
-batch position of the first buffer at fault.
+(never of the steps, whose padding is checked where they are), vectorised, with any leading
+batch axes of a :func:`jax.vmap` of buffers (the shape of ``pos``; every other field has
+them in front); a refusal names the batch position of the first buffer at fault.
 
 Invariants (per buffer of the batch; ``C`` the capacity, the last axis of ``seq_len``, ``E``
 the sub-envs, of ``chain_n``, and ``L`` the window length, the axis after ``C`` of the stored
@@ -25,6 +25,9 @@ steps):
 - the leaves of ``steps`` are ``(C, L, ...)`` after the batch axes, those of ``pending``
   have the structure of ``steps`` and are ``(E, L, ...)`` with the same dtypes and per-step
   shapes; ``core`` ``(C, ...)`` and ``pending_core`` ``(E, L, ...)`` likewise;
+- in every filled slot, the steps past the valid ones hold the last valid step (samples
+  return them as the padding; checked on the device, in one pass over the steps, the only
+  check that reads them);
 
 and for a prioritized state: the sum tree holds ``C`` float32 values (batch axes in front)
 and is consistent, empty slots have priority 0 and filled ones a positive priority, and
@@ -33,9 +36,11 @@ and is consistent, empty slots have priority 0 and filled ones a positive priori
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from coax_utils.replay._batch_checks import ARRAY_TYPES, host_array, refuse_if
@@ -130,8 +135,28 @@ def check_restored_sequence_state(state: Any, prioritized: bool) -> None:
         nb,
         f"chain_n must be < {L}, and >= 0 at an episode's first window; chain_start in [0, {L})",
     )
+    unpadded = [np.asarray(_unpadded(x, state.seq_len, nb)) for x in steps]
+    refuse_if(
+        np.any(unpadded, axis=0),
+        nb,
+        "the steps past a window's valid ones must hold its last valid step (the padding)",
+    )
     if prioritized:
         _check_priorities(state, batch, C, filled)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _unpadded(x: jax.Array, seq_len: jax.Array, nb: int) -> jax.Array:
+    """Per buffer of the batch (``nb`` axes): whether a filled slot of the steps leaf ``x``
+    holds, past its valid steps, anything but its last valid step (NaN equal to NaN)."""
+    lengths = seq_len.reshape(seq_len.shape + (1,) * (x.ndim - nb - 1))
+    last = jnp.take_along_axis(x, jnp.maximum(lengths, 1) - 1, axis=nb + 1)
+    t = jnp.arange(x.shape[nb + 1]).reshape((-1,) + (1,) * (x.ndim - nb - 2))
+    same = x == last
+    if jnp.issubdtype(x.dtype, jnp.inexact):  # a NaN step pads with NaN
+        same = same | (jnp.isnan(x) & jnp.isnan(last))
+    bad = (t >= lengths) & (lengths >= 1) & ~same
+    return jnp.any(bad, axis=tuple(range(nb, x.ndim)))
 
 
 def _check_priorities(state: Any, batch: tuple, C: int, filled: np.ndarray) -> None:

@@ -172,6 +172,16 @@ def test_jitted_add_does_not_retrace_and_checkpoints_continue():
     for bad in forged:
         with pytest.raises(ValueError):
             utils.loads(utils.dumps(bad), safe=True)
+    # the steps past a short window's valid ones are its last valid step, stored padded
+    short = int(np.flatnonzero(np.asarray(state.seq_len) < 4)[0])
+    n = int(state.seq_len[short])
+    obs = np.asarray(state.steps["obs"][short])
+    np.testing.assert_array_equal(obs[n:], np.broadcast_to(obs[n - 1], obs[n:].shape))
+    tampered = state.steps["obs"].at[short, 3].add(1.0)
+    with pytest.raises(ValueError, match="the padding"):
+        utils.loads(utils.dumps(state.replace(steps={**state.steps, "obs": tampered})), safe=True)
+    nan = state.steps["obs"].at[short, n - 1 :].set(np.nan)  # NaN pads with NaN: accepted
+    utils.loads(utils.dumps(state.replace(steps={**state.steps, "obs": nan})), safe=True)
 
 
 @pytest.mark.parametrize("prioritized", [False, True])
@@ -208,6 +218,10 @@ def test_a_vmapped_batch_of_buffers_round_trips_and_continues(prioritized):
     forged = [state.replace(seq_len=state.seq_len.at[1, 0].set(9))]
     if prioritized:
         forged.append(state.replace(max_mix=state.max_mix.at[2].set(0.5)))
-    for bad, member in zip(forged, (1, 2)):
+    lengths = np.asarray(state.seq_len[2])
+    short = int(np.flatnonzero((lengths > 0) & (lengths < 3))[0])
+    tail = state.steps["obs"].at[2, short, 2].add(1.0)
+    forged.append(state.replace(steps={**state.steps, "obs": tail}))
+    for bad, member in zip(forged, (1, 2, 2) if prioritized else (1, 2)):
         with pytest.raises(ValueError, match=rf"buffer \({member},\) of the batch"):
             utils.loads(utils.dumps(bad), safe=True)
