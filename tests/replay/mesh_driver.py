@@ -23,7 +23,15 @@ from jax.sharding import Mesh  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from coax_utils import utils  # noqa: E402
-from coax_utils.replay import make_prioritized_buffer, make_uniform_buffer  # noqa: E402
+from coax_utils.replay import (  # noqa: E402
+    TransitionBatch,
+    make_frame_stack_buffer,
+    make_prioritized_buffer,
+    make_prioritized_frame_stack_buffer,
+    make_prioritized_sequence_buffer,
+    make_sequence_buffer,
+    make_uniform_buffer,
+)
 from coax_utils.replay._mesh import shard_buffer  # noqa: E402
 
 CAPACITY = 64  # divisible by 1, 2 and 8
@@ -44,6 +52,7 @@ jax.monitoring.register_event_duration_secs_listener(
 
 
 def chi_square(counts: np.ndarray, probs: np.ndarray, what: str) -> None:
+    probs = np.asarray(probs, np.float64)
     expected = probs / probs.sum() * counts.sum()
     keep = expected > 0
     assert counts[~keep].sum() == 0, f"{what}: draws of zero-probability items"
@@ -75,6 +84,29 @@ def synced(buffer):
         sample=wait(buffer.sample),
         update=buffer.update and wait(buffer.update),
     )
+
+
+def refused(fn, match):
+    try:
+        fn()
+    except ValueError as e:
+        assert match in str(e), e
+    else:
+        raise AssertionError(f"no ValueError ({match})")
+
+
+def same(a, b):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(host(x), host(y))
+
+
+def restored(buffer, state, path):
+    """``state`` dumped, loaded (safe) and put back onto the mesh."""
+    utils.dump(state, path)
+    back = buffer.put(utils.load(path, safe=True))
+    for x in jax.tree_util.tree_leaves(back):
+        assert x.sharding.is_equivalent_to(buffer.state_sharding, x.ndim)
+    return back
 
 
 def fill(buffer, state, ids: np.ndarray, put):
@@ -276,14 +308,6 @@ def main(folder: str) -> None:
         raise AssertionError("a state of another mesh size was accepted")
 
     # -- bad input raises before anything is written --------------------------------------
-    def refused(fn, match):
-        try:
-            fn()
-        except ValueError as e:
-            assert match in str(e), e
-        else:
-            raise AssertionError(f"no ValueError ({match})")
-
     refused(lambda: shard_buffer(big, mesh, "model"), "not an axis")
     refused(
         lambda: mb.sample(state, keys[0], 8 * n + 1) if n > 1 else mb.sample(state, keys[0], 0),
@@ -299,7 +323,239 @@ def main(folder: str) -> None:
     refused(lambda: mb.add(state, bad), "dtype")
     for x, y in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(state)):
         np.testing.assert_array_equal(x, host(y))
+    check_sequences(mesh, folder, keys)
+    check_frames(mesh, folder, keys)
     print(f"mesh checks passed on {n} devices")
+
+
+# -- sequence buffers: 8 sub-envs split over the devices ----------------------------------
+E, L, PERIOD = 8, 4, 2
+SEQ_DRAWS, WIDE = 3, 512  # 1536 draws, few calls
+
+
+def seq_stream(t0, t1):
+    """Steps ``t0 .. t1 - 1`` of the 8 sub-envs: step ``{"env", "t"}``, core state, and the
+    flags; sub-env ``e`` ends an episode at step ``3 + e`` (terminated when ``e`` is even)."""
+    env = np.arange(E, dtype=np.int32)
+    for t in range(t0, t1):
+        end = env + 3 == t
+        core = np.stack([env, np.full(E, t)], 1).astype(np.float32)
+        yield (
+            {"env": env, "t": np.full(E, t, np.int32)},
+            core,
+            end & (env % 2 == 0),
+            end & (env % 2 == 1),
+        )
+
+
+def feed(buffer, state, stream):
+    for args in stream:
+        args = jax.device_put(args, buffer.batch_sharding)
+        with jax.transfer_guard("disallow"):
+            state = buffer.add(state, *args)
+    return state
+
+
+def window_keys(items):
+    """The sub-env and first step of each window (its identity)."""
+    return list(zip(host(items["env"])[:, 0].tolist(), host(items["t"])[:, 0].tolist()))
+
+
+def check_sequences(mesh, folder, keys):
+    n = len(mesh.devices)
+    rows = CAPACITY // n
+    big = make_prioritized_sequence_buffer(
+        CAPACITY, L, PERIOD, burn_in=1, num_envs=E, alpha=ALPHA, beta=BETA
+    )
+    example = ({"env": jnp.int32(0), "t": jnp.int32(0)}, jnp.zeros(2, jnp.float32))
+    one = big.init(*example)
+    for args in seq_stream(0, 10):
+        one = big.add(one, *args)
+    count = int(one.size)
+    assert count < CAPACITY  # nothing overwritten: the mesh holds the same windows
+    every = jax.jit(big.gather)(one, jnp.arange(count, dtype=jnp.int32))
+    slot_of = {key: i for i, key in enumerate(window_keys(every.items))}
+
+    def as_big(sample):
+        """Each sampled window equals the big buffer's window of the same key."""
+        slots = np.array([slot_of[key] for key in window_keys(sample.items)])
+        want = jax.tree_util.tree_map(lambda x: host(x)[slots], every)
+        for name in ("items", "core_state", "mask", "loss_mask", "terminated", "truncated"):
+            same(getattr(sample, name), getattr(want, name))
+        return slots
+
+    # uniform: over the mesh (global indices) and per shard
+    ub = synced(shard_buffer(make_sequence_buffer(CAPACITY, L, PERIOD, 1, E), mesh, "data"))
+    ustate = feed(ub, ub.init(*example), seq_stream(0, 10))
+    stored_t = host(ustate.steps["t"]).reshape(n * rows, L)
+    assert int(host(ustate.size).sum()) == count
+    counts = np.zeros(count)
+    with jax.transfer_guard("disallow"):
+        for k in range(SEQ_DRAWS):
+            s = ub.sample(ustate, keys[k], WIDE, "mesh")
+            counts += np.bincount(as_big(s), minlength=count)
+            np.testing.assert_array_equal(stored_t[host(s.indices)], host(s.items["t"]))
+        s = ub.sample(ustate, keys[0], WIDE, "shard")
+    as_big(s)
+    assert np.all(host(s.indices) // rows == np.repeat(np.arange(n), WIDE // n))
+    # device d owns sub-envs d * E / n ..: its windows are theirs
+    assert np.all(host(s.items["env"])[:, 0] // (E // n) == host(s.indices) // rows)
+    chi_square(counts, np.ones(count), "uniform sequence sample over the mesh")
+
+    # prioritized: R2D2 priorities set by the owning shard, exact sampling
+    pb = synced(shard_buffer(big, mesh, "data"))
+    state = feed(pb, pb.init(*example), seq_stream(0, 10))
+    stored = [
+        (e, t)
+        for e, t in zip(
+            host(state.steps["env"])[..., 0].reshape(-1).tolist(), stored_t[:, 0].tolist()
+        )
+    ]
+    filled = (host(state.size)[:, None] > np.arange(rows)).reshape(-1)
+    gidx = np.flatnonzero(filled)
+    td_of = lambda e, t0: 0.2 * (1 + e) * (1 + (t0 + np.arange(L)) % 3)  # noqa: E731
+    mask_of = lambda e: np.arange(L) < (L if e % 3 else L - 1)  # noqa: E731
+    one = big.update(
+        one,
+        jnp.arange(count),
+        np.stack([td_of(*key) for key in slot_of]).astype(np.float32),
+        mask=np.stack([mask_of(key[0]) for key in slot_of]),
+    )
+    pad = -len(gidx) % 8  # entries of index -1 (ignored): a multiple of the devices
+    keys_m = [stored[g] for g in gidx]
+    td = np.stack([td_of(*key) for key in keys_m] + [np.zeros(L)] * pad).astype(np.float32)
+    mask = np.stack([mask_of(key[0]) for key in keys_m] + [np.ones(L, bool)] * pad)
+    idx = np.concatenate([gidx, -np.ones(pad, int)]).astype(np.int32)
+    with jax.transfer_guard("disallow"):
+        state = pb.update(
+            state,
+            *jax.device_put((idx, td), pb.batch_sharding),
+            mask=jax.device_put(mask, pb.batch_sharding),
+        )
+    p_big = host(utils.sum_tree_values(jax.device_get(one.tree)))
+    p_mesh = host(utils.sum_tree_values(jax.device_get(state.tree))).reshape(-1)
+    np.testing.assert_allclose(p_mesh[gidx], [p_big[slot_of[key]] for key in keys_m], rtol=1e-6)
+    np.testing.assert_allclose(host(state.max_mix), np.full(n, host(one.max_mix)), rtol=1e-6)
+    p = p_big[:count]
+    counts = np.zeros(count)
+    with jax.transfer_guard("disallow"):
+        for k in range(SEQ_DRAWS):
+            s = pb.sample(state, keys[k], WIDE)
+            slots = as_big(s)
+            counts += np.bincount(slots, minlength=count)
+            w = p[slots] ** -BETA
+            np.testing.assert_allclose(host(s.weights), w / w.max(), rtol=1e-5)
+    chi_square(counts, p, "prioritized sequence sample over the mesh")
+
+    # a restored state continues the same stream
+    back = restored(pb, state, os.path.join(folder, f"seq{n}.ckpt"))
+    a, b = (feed(pb, x, seq_stream(10, 14)) for x in (state, back))
+    with jax.transfer_guard("disallow"):
+        same(pb.sample(a, keys[2], WIDE), pb.sample(b, keys[2], WIDE))
+
+    # sub-envs that cannot be split, and steps of another number of sub-envs
+    if n > 1:
+        refused(
+            lambda: shard_buffer(make_sequence_buffer(CAPACITY, L, num_envs=n + 1), mesh, "data"),
+            "num_envs",
+        )
+    bad = jax.tree_util.tree_map(lambda x: np.concatenate([x] * 2), next(seq_stream(0, 1)))
+    refused(lambda: pb.add(state, *bad), "num_envs")
+
+
+# -- frame stacks: a sub-env per device, frames lost to a small frame ring -----------------
+FRAMES = 8  # rows and frames per shard: of 12 transitions added, 4..11 stay, 6..11 whole
+
+
+def frame_batch(n, t):
+    """Step ``t`` of sub-env ``e`` on device ``e``: stacks of the frames ``32 e + t``."""
+    e = np.arange(n)
+    f = lambda t: np.repeat((32 * e + t).astype(np.uint8)[:, None], 3, 1)  # noqa: E731
+    z = np.zeros(n, np.float32)
+    A = (100 * e + t).astype(np.int32)
+    return TransitionBatch(
+        S=np.stack([f(t), f(t + 1)], 1),
+        A=A,
+        logP=z,
+        Rn=z,
+        In=z,
+        S_next=np.stack([f(t + 1), f(t + 2)], 1),
+    )
+
+
+def check_stacks(items):
+    """Every stack is the one added with the transition (``A`` names it); none lost frames."""
+    e, t = np.divmod(host(items.A), 100)
+    assert np.all(t >= 6), "a transition that lost frames was sampled"
+    first = (32 * e + t).astype(np.uint8)[:, None, None] + np.arange(2, dtype=np.uint8)[:, None]
+    np.testing.assert_array_equal(host(items.S), np.broadcast_to(first, (len(t), 2, 3)))
+    np.testing.assert_array_equal(host(items.S_next), np.broadcast_to(first + 1, (len(t), 2, 3)))
+    return e * 6 + t - 6  # an index among the whole transitions
+
+
+def check_frames(mesh, folder, keys):
+    n = len(mesh.devices)
+    size = FRAMES * n
+
+    def feed_frames(buffer, state, t0, t1):
+        for t in range(t0, t1):
+            batch = jax.device_put(frame_batch(n, t), buffer.batch_sharding)
+            with jax.transfer_guard("disallow"):
+                state = buffer.add(state, batch)
+        return state
+
+    example = jax.tree_util.tree_map(lambda x: x[0], frame_batch(1, 0))
+    ub = synced(shard_buffer(make_frame_stack_buffer(size, 2, frame_capacity=size), mesh, "data"))
+    ustate = feed_frames(ub, ub.init(example), 0, 12)
+    counts = np.zeros(6 * n)
+    with jax.transfer_guard("disallow"):
+        for k in range(SEQ_DRAWS):
+            counts += np.bincount(
+                check_stacks(ub.sample(ustate, keys[k], WIDE, "mesh")), minlength=6 * n
+            )
+        s = ub.sample(ustate, keys[0], WIDE, "shard")
+    check_stacks(s)
+    assert np.all(host(s.A) // 100 == np.repeat(np.arange(n), WIDE // n)), "drew elsewhere"
+    chi_square(counts, np.ones(6 * n), "uniform frame-stack sample over the mesh")
+
+    pb = synced(
+        shard_buffer(
+            make_prioritized_frame_stack_buffer(size, 2, ALPHA, BETA, EPS, frame_capacity=size),
+            mesh,
+            "data",
+        )
+    )
+    state = feed_frames(pb, pb.init(example), 0, 12)
+    ids = host(state.transitions.items.A).reshape(-1)
+    delta = 0.5 + ids % 4 + (ids // 100) * 0.25
+    with jax.transfer_guard("disallow"):
+        state = pb.update(
+            state,
+            *jax.device_put(
+                (np.arange(size, dtype=np.int32), delta.astype(np.float32)), pb.batch_sharding
+            ),
+        )
+    p_all = (delta + EPS) ** ALPHA
+    whole = ids % 100 >= 6
+    values = host(utils.sum_tree_values(jax.device_get(state.transitions.tree))).reshape(-1)
+    np.testing.assert_allclose(values, np.where(whole, p_all, 0), rtol=1e-6)  # lost: 0
+    p = np.zeros(6 * n)
+    p[(ids[whole] // 100) * 6 + ids[whole] % 100 - 6] = p_all[whole]
+    counts = np.zeros(6 * n)
+    with jax.transfer_guard("disallow"):
+        for k in range(SEQ_DRAWS):
+            s = pb.sample(state, keys[k], WIDE)
+            got = check_stacks(s.items)
+            counts += np.bincount(got, minlength=6 * n)
+            np.testing.assert_array_equal(host(s.items.A), ids[host(s.indices)])
+            w = p[got] ** -BETA
+            np.testing.assert_allclose(host(s.weights), w / w.max(), rtol=1e-5)
+    chi_square(counts, p, "prioritized frame-stack sample over the mesh")
+
+    back = restored(pb, state, os.path.join(folder, f"frames{n}.ckpt"))
+    a, b = (feed_frames(pb, x, 12, 14) for x in (state, back))
+    with jax.transfer_guard("disallow"):
+        same(pb.sample(a, keys[3], WIDE), pb.sample(b, keys[3], WIDE))
 
 
 if __name__ == "__main__":
