@@ -204,6 +204,7 @@ def shard_buffer(buffer: Any, mesh: Mesh, axis_name: str) -> MeshBuffer:
     --------
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import Mesh
+    >>> from coax_utils.replay import make_prioritized_buffer
     >>> mesh = Mesh(jax.devices()[:1], ("data",))
     >>> buffer = shard_buffer(make_prioritized_buffer(capacity=8), mesh, "data")
     >>> state = buffer.init(jnp.zeros(2))
@@ -404,8 +405,8 @@ def _build(kind: Kind, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
 
     # -- whole sharded states --------------------------------------------------------------
 
-    def stacked(*example: Any) -> Any:
-        state = shard.init(*example)
+    def stacked(*example: Any, **named: Any) -> Any:
+        state = shard.init(*example, **named)
         return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), state)
 
     init = jax.jit(stacked, out_shardings=NamedSharding(mesh, spec))

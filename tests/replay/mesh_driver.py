@@ -452,6 +452,14 @@ def check_sequences(mesh, folder, keys):
     a, b = (feed(pb, x, seq_stream(10, 14)) for x in (state, back))
     with jax.transfer_guard("disallow"):
         same(pb.sample(a, keys[2], WIDE), pb.sample(b, keys[2], WIDE))
+    # chains reset on the devices that own them
+    reset = np.arange(E) % 3 == 0
+    with jax.transfer_guard("disallow"):
+        b = pb.reset_chains(a, jax.device_put(reset, pb.batch_sharding))
+    np.testing.assert_array_equal(
+        host(b.chain_n).reshape(-1), np.where(reset, 0, host(a.chain_n).reshape(-1))
+    )
+    assert np.all(host(b.chain_first).reshape(-1)[reset])
 
     # sub-envs that cannot be split, and steps of another number of sub-envs
     if n > 1:
