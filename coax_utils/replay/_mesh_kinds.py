@@ -254,7 +254,9 @@ def _sequences(buffer: SequenceBuffer | PrioritizedSequenceBuffer, n: int) -> Ki
     config = (buffer.capacity // n, L, buffer.period, buffer.burn_in, E // n)
 
     def example(state: Any, lead: int) -> tuple:
-        return _trim(state.steps, lead + 2), _trim(state.core, lead + 1)
+        # from the chains' windows (leaves (num_envs, length, ...)): whatever the layout
+        # of the stored ones
+        return _trim(state.pending, lead + 2), _trim(state.pending_core, lead + 2)
 
     common = dict(
         add_args=_steps_args,
