@@ -40,6 +40,7 @@ import numpy as np
 from bench_replay import report, round_robin
 
 from coax_utils.replay import PrioritizedSequenceReplayBuffer, make_prioritized_sequence_buffer
+from coax_utils.replay._seq_functional import window_layout
 from coax_utils.utils import sum_tree_set
 
 L, P, BATCH, E, H = 80, 40, 32, 8, 32
@@ -67,10 +68,14 @@ def jittable_state(num_steps: int):
     state = fn.init(example_step(), core)
     steps = jax.tree_util.tree_map(jnp.asarray, filled_arrays(windows, (windows, L)))
     prio = np.random.default_rng(0).random(windows).astype(np.float32) + 0.1
+    meta = {
+        "seq_len": jnp.full((windows,), L, jnp.int32),
+        "seq_end": jnp.zeros((windows,), jnp.int8),
+        "seq_first": jnp.zeros((windows,), jnp.bool_),
+    }
+    body = {"steps": steps, "core": (jnp.ones((windows, H)), jnp.ones((windows, H)))}
     state = state.replace(
-        steps=steps,
-        core=(jnp.ones((windows, H)), jnp.ones((windows, H))),
-        seq_len=jnp.full((windows,), L, jnp.int32),
+        windows=window_layout(state.pending, state.pending_core).pack((meta, body)),
         size=jnp.int32(windows),
         laps=jnp.int32(1),
         tree=jax.jit(sum_tree_set)(state.tree, jnp.arange(windows), jnp.asarray(prio)),

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from coax_utils._checks import check_choice, check_float, checked_indices
 from coax_utils._dataclass import pytree_dataclass
 from coax_utils._random import random_index, random_uniform
+from coax_utils._rows import RowLayout
 from coax_utils.replay._functional_common import (
     VERSION_MAX,
     check_beta,
@@ -32,6 +33,7 @@ from coax_utils.replay._seq_common import (
     check_eta,
 )
 from coax_utils.replay._seq_functional_checks import check_restored_sequence_state
+from coax_utils.replay._seq_layout import META_LAYOUT, decoded_windows, window_layout
 from coax_utils.utils import (
     SUM_TREE_STRATEGIES,
     SumTreeState,
@@ -56,18 +58,15 @@ class SequenceBufferState:
 
     Attributes
     ----------
-    steps : pytree
-        The stored windows, leaves of shape ``(capacity, length, ...)``; the steps past a
-        window's valid length hold its last valid step (the padding samples return).
-    core : pytree
-        The core state at each window's first step, leaves ``(capacity, ...)``.
-    seq_len : int32 Array, shape ``(capacity,)``
-        The valid steps of each window (0 in empty slots).
-    seq_end : int8 Array, shape ``(capacity,)``
-        How each window's episode ended at its last valid step: 0 not there, 1 terminated,
-        2 truncated.
-    seq_first : bool Array, shape ``(capacity,)``
-        Whether each window starts its episode.
+    windows : uint32 Array, shape ``(capacity, width)``
+        The stored windows, a row of words per slot, so that a sample reads each window
+        with one gather: the number of valid steps (0 in empty slots), how the episode
+        ended at the last valid step (0 not there, 1 terminated, 2 truncated), whether the
+        window starts its episode, its ``length`` steps (those past the valid ones hold the
+        last valid one, the padding samples return) and the core state at its first step,
+        each leaf in whole words. The properties ``seq_len`` (int32), ``seq_end`` (int8),
+        ``seq_first`` (bool), ``steps`` (leaves ``(capacity, length, ...)``) and ``core``
+        (leaves ``(capacity, ...)``) decode them for all slots.
     pending, pending_core : pytree
         Every chain's current window: leaves ``(num_envs, length, ...)``.
     chain_n : int32 Array, shape ``(num_envs,)``
@@ -86,11 +85,7 @@ class SequenceBufferState:
     listed in ``coax_utils/replay/_seq_functional_checks.py``).
     """
 
-    steps: Any
-    core: Any
-    seq_len: jax.Array
-    seq_end: jax.Array
-    seq_first: jax.Array
+    windows: jax.Array
     pending: Any
     pending_core: Any
     chain_n: jax.Array
@@ -99,6 +94,14 @@ class SequenceBufferState:
     pos: jax.Array
     size: jax.Array
     laps: jax.Array
+
+    steps = property(lambda self: decoded_windows(self)["steps"], doc="The stored steps, decoded.")
+    core = property(
+        lambda self: decoded_windows(self)["core"], doc="The stored core states, decoded."
+    )
+    seq_len = property(lambda self: decoded_windows(self)["seq_len"], doc="Valid steps per slot.")
+    seq_end = property(lambda self: decoded_windows(self)["seq_end"], doc="End kind per slot.")
+    seq_first = property(lambda self: decoded_windows(self)["seq_first"], doc="First window flags.")
 
     def __checkpoint_check__(self) -> None:
         """Raise ValueError unless this (restored) state keeps the buffer's invariants."""
@@ -114,11 +117,7 @@ class PrioritizedSequenceBufferState:
     set so far, 1 initially, given to new windows).
     """
 
-    steps: Any
-    core: Any
-    seq_len: jax.Array
-    seq_end: jax.Array
-    seq_first: jax.Array
+    windows: jax.Array
     pending: Any
     pending_core: Any
     chain_n: jax.Array
@@ -129,6 +128,10 @@ class PrioritizedSequenceBufferState:
     laps: jax.Array
     tree: SumTreeState
     max_mix: jax.Array
+
+    steps, core = SequenceBufferState.steps, SequenceBufferState.core
+    seq_len, seq_end = SequenceBufferState.seq_len, SequenceBufferState.seq_end
+    seq_first = SequenceBufferState.seq_first
 
     def __checkpoint_check__(self) -> None:
         """Raise ValueError unless this (restored) state keeps the buffer's invariants."""
@@ -201,17 +204,6 @@ def _flags(x: Any, name: str, num_envs: int, default: bool) -> jax.Array:
     return jnp.broadcast_to(x != 0, (num_envs,))
 
 
-def _gather_windows(tree: Any, slots: jax.Array) -> Any:
-    """``x[slots]`` for every leaf ``x`` of ``tree`` (whole windows, core states, metadata).
-
-    One XLA gather per leaf. A compiled loop of dynamic slices over the sampled slots (what
-    ``gather_rows`` in ``_functional_common`` does for small rows on a CPU) copies windows of
-    a few kilobytes one after the other: in a jitted add + sample + update step on a full
-    buffer of 25,000 windows of 80 steps, it took about twice as long as the gathers.
-    """
-    return jax.tree_util.tree_map(lambda x: x.at[slots].get(mode="promise_in_bounds"), tree)
-
-
 def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):  # noqa: ANN001, ANN202
     """The functions shared by both factories; ``hyper`` = (alpha, beta, eps, eta, strategy)."""
     C, L, P, B, E = check_config(length, period, burn_in, num_envs, capacity, 2**31 - 1)
@@ -222,14 +214,13 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
         def alloc(rows: tuple) -> Callable:
             return lambda x: jnp.zeros(rows + jnp.shape(x), jnp.result_type(x))
 
+        pending = jax.tree_util.tree_map(alloc((E, L)), example_step)
+        pending_core = jax.tree_util.tree_map(alloc((E, L)), example_core_state)
+        width = window_layout(pending, pending_core).width
         fields = dict(
-            steps=jax.tree_util.tree_map(alloc((C, L)), example_step),
-            core=jax.tree_util.tree_map(alloc((C,)), example_core_state),
-            seq_len=jnp.zeros((C,), jnp.int32),
-            seq_end=jnp.zeros((C,), jnp.int8),
-            seq_first=jnp.zeros((C,), jnp.bool_),
-            pending=jax.tree_util.tree_map(alloc((E, L)), example_step),
-            pending_core=jax.tree_util.tree_map(alloc((E, L)), example_core_state),
+            windows=jnp.zeros((C, width), jnp.uint32),
+            pending=pending,
+            pending_core=pending_core,
             chain_n=jnp.zeros((E,), jnp.int32),
             chain_first=jnp.ones((E,), jnp.bool_),
             chain_start=jnp.zeros((E,), jnp.int32),
@@ -237,22 +228,32 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
             size=jnp.zeros([], jnp.int32),
             laps=jnp.zeros([], jnp.int32),
         )
-        if not jax.tree_util.tree_leaves(fields["steps"]):
+        if not jax.tree_util.tree_leaves(pending):
             raise ValueError("example_step must hold at least one array")
         if not prioritized:
             return SequenceBufferState(**fields)
         tree = sum_tree_init(C, jnp.float32)
         return PrioritizedSequenceBufferState(**fields, tree=tree, max_mix=jnp.float32(1))
 
-    def check_state(state: Any) -> None:
-        if jnp.shape(state.seq_len) != (C,) or jnp.shape(state.chain_n) != (E,):
+    def check_state(state: Any) -> RowLayout:
+        """Trace-time check that ``state`` fits this buffer; its windows' layout."""
+        for name, x in (
+            ("pending steps", state.pending),
+            ("pending core states", state.pending_core),
+        ):
+            for leaf in jax.tree_util.tree_leaves(x):
+                if jnp.shape(leaf)[:2] != (E, L):
+                    raise ValueError(
+                        f"{name} need leaves of shape ({E}, {L}, ...), got {jnp.shape(leaf)}"
+                    )
+        layout = window_layout(state.pending, state.pending_core)
+        if jnp.shape(state.windows) != (C, layout.width) or jnp.shape(state.chain_n) != (E,):
             raise ValueError(
                 "the state does not fit this buffer (a state of a buffer made with other "
-                f"arguments?): seq_len {jnp.shape(state.seq_len)}, chain_n "
-                f"{jnp.shape(state.chain_n)}, expected ({C},) and ({E},)"
+                f"arguments?): windows {jnp.shape(state.windows)}, chain_n "
+                f"{jnp.shape(state.chain_n)}, expected ({C}, {layout.width}) and ({E},)"
             )
-        _check_tree(state.pending, state.steps, (E, L), 2, "pending steps")
-        _check_tree(state.pending_core, state.core, (E, L), 1, "pending core states")
+        return layout
 
     def add(
         state: Any,
@@ -301,14 +302,13 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
             def window(p: jax.Array) -> jax.Array:
                 return jnp.take_along_axis(p, order.reshape(order.shape + (1,) * (p.ndim - 2)), 1)
 
-            first_core = jax.tree_util.tree_map(lambda p: p[envs, start], pending_core)
-            new = new.replace(
-                steps=jax.tree_util.tree_map(lambda s, p: store(s, window(p)), new.steps, pending),
-                core=jax.tree_util.tree_map(store, new.core, first_core),
-                seq_len=store(new.seq_len, jnp.where(full, L, n).astype(jnp.int32)),
-                seq_end=store(new.seq_end, ends.astype(jnp.int8)),
-                seq_first=store(new.seq_first, new.chain_first),
-            )
+            meta = {"seq_len": jnp.where(full, L, n), "seq_end": ends, "seq_first": new.chain_first}
+            body = {
+                "steps": jax.tree_util.tree_map(window, pending),
+                "core": jax.tree_util.tree_map(lambda p: p[envs, start], pending_core),
+            }
+            rows = window_layout(pending, pending_core).pack((meta, body))
+            new = new.replace(windows=store(new.windows, rows))
             if prioritized:
                 p = jnp.minimum(jnp.power(new.max_mix + epsilon, alpha), new.tree.max_value)
                 tree = sum_tree_set(new.tree, jnp.where(write, slots, -1), p, strategy)
@@ -345,10 +345,11 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
     def gather(state: Any, slots: jax.Array, weights: Any = None, versions: Any = None) -> Any:
         if weights is None:
             weights = jnp.ones(jnp.shape(slots), jnp.float32)
-        rows = _gather_windows(
-            (state.steps, state.core, state.seq_len, state.seq_end, state.seq_first), slots
-        )
-        items, core, lengths, end, first = rows
+        layout = window_layout(state.pending, state.pending_core)
+        # one gather of whole rows (see coax_utils/_rows.py)
+        meta, body = layout.unpack(state.windows.at[slots].get(mode="promise_in_bounds"))
+        items, core, lengths = body["steps"], body["core"], meta["seq_len"]
+        end, first = meta["seq_end"], meta["seq_first"]
         t = jnp.arange(L, dtype=jnp.int32)
         mask = t < lengths[:, None]
         last = t == lengths[:, None] - 1
@@ -385,10 +386,12 @@ def _make(capacity, length, period, burn_in, num_envs, prioritized, hyper=None):
         return gather(state, slots, weights, slot_versions(state, slots))
 
     def update_traced(state: Any, indices: Any, valid: Any, td: Any, versions: Any, mask: Any):  # noqa: ANN202
-        check_state(state)
         slots = jnp.where(valid, indices, 0)
         t = jnp.arange(L)
-        lengths, first = state.seq_len[slots][:, None], state.seq_first[slots][:, None]
+        check_state(state)
+        columns = state.windows[:, : META_LAYOUT.width]  # the metadata words alone
+        meta = META_LAYOUT.unpack(columns.at[slots].get(mode="promise_in_bounds"))
+        lengths, first = meta["seq_len"][:, None], meta["seq_first"][:, None]
         counted = mask & (t < lengths) & ((t >= B) | first)
         a = jnp.where(counted, jnp.abs(td), 0.0)
         mean = a.sum(axis=1) / jnp.maximum(counted.sum(axis=1), 1)

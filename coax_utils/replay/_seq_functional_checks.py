@@ -5,26 +5,27 @@ A checkpoint rebuilds a :class:`SequenceBufferState` or
 calls :func:`check_restored_sequence_state`, which refuses (ValueError) a state that no
 sequence of ``add``, ``reset_chains`` and ``update`` calls can produce and that would make
 the buffer read or sample the wrong rows. The checks run on host copies of the small arrays
-(never of the steps, whose padding is checked where they are), vectorised, with any leading
-batch axes of a :func:`jax.vmap` of buffers (the shape of ``pos``; every other field has
-them in front); a refusal names the batch position of the first buffer at fault.
+and of the rows' metadata (never of the steps, whose padding is checked where they are),
+vectorised, with any leading batch axes of a :func:`jax.vmap` of buffers (the shape of
+``pos``; every other field has them in front); a refusal names the batch position of the
+first buffer at fault.
 
-Invariants (per buffer of the batch; ``C`` the capacity, the last axis of ``seq_len``, ``E``
-the sub-envs, of ``chain_n``, and ``L`` the window length, the axis after ``C`` of the stored
-steps):
+Invariants (per buffer of the batch; ``C`` the capacity, the axis after the batch axes of
+``windows``, ``E`` the sub-envs, of ``chain_n``, and ``L`` the window length, the axis after
+``E`` of the pending steps):
 
+- the leaves of ``pending`` and ``pending_core`` are ``(E, L, ...)`` after the batch axes;
+  ``windows`` is uint32 ``(C, W)`` after them, ``W`` the words of a window's row as they
+  lay it out (``coax_utils/replay/_seq_layout.py``), ``C >= 1``;
 - ``pos``, ``size``, ``laps`` are int32 of the batch shape; ``0 <= size <= C``,
   ``0 <= pos < C``, ``pos == size`` while ``size < C`` (the ring fills from slot 0);
   ``laps`` in ``[0, 2**31 - 1]``, 0 exactly while the buffer is not full;
-- ``seq_len`` int32, ``seq_end`` int8, ``seq_first`` bool, all ``(C,)`` after the batch
-  axes: filled slots hold 1 to ``L`` valid steps (fewer only at an episode end: ``seq_end``
-  1 or 2), end kinds in ``{0, 1, 2}``; empty slots hold 0, 0, False;
+- the metadata of the rows (``seq_len``, ``seq_end``, ``seq_first``): filled slots hold 1
+  to ``L`` valid steps (fewer only at an episode end: ``seq_end`` 1 or 2), end kinds in
+  ``{0, 1, 2}``; empty slots hold 0, 0, False;
 - ``chain_n`` int32, ``chain_first`` bool and ``chain_start`` int32, ``(E,)`` after the
   batch axes: ``chain_n < L``, and ``>= 0`` for a chain at its episode's first window;
   ``chain_start`` in ``[0, L)``;
-- the leaves of ``steps`` are ``(C, L, ...)`` after the batch axes, those of ``pending``
-  have the structure of ``steps`` and are ``(E, L, ...)`` with the same dtypes and per-step
-  shapes; ``core`` ``(C, ...)`` and ``pending_core`` ``(E, L, ...)`` likewise;
 - in every filled slot, the steps past the valid ones hold the last valid step (samples
   return them as the padding; checked on the device, in one pass over the steps, the only
   check that reads them);
@@ -44,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coax_utils.replay._batch_checks import ARRAY_TYPES, host_array, refuse_if
+from coax_utils.replay._seq_layout import window_layout
 from coax_utils.utils import SumTreeState
 
 __all__ = ["check_restored_sequence_state"]
@@ -67,18 +69,6 @@ def _leaves(tree: Any, name: str, rows: tuple) -> tuple[list, Any]:
     return leaves, treedef
 
 
-def _pair(a: Any, b: Any, skip: tuple, names: tuple, rows: tuple) -> None:
-    """``a`` and ``b`` have one structure, dtypes and shapes after their ``skip`` axes."""
-    la, da = _leaves(a, names[0], rows[0])
-    lb, db = _leaves(b, names[1], rows[1])
-    if da != db or any(
-        x.dtype != y.dtype or x.shape[skip[0] :] != y.shape[skip[1] :] for x, y in zip(la, lb)
-    ):
-        raise ValueError(
-            f"{names[0]} and {names[1]} must have one structure, dtypes and per-step shapes"
-        )
-
-
 def check_restored_sequence_state(state: Any, prioritized: bool) -> None:
     """Raise ValueError unless ``state`` keeps every invariant of this module's docstring."""
     if not isinstance(state.pos, ARRAY_TYPES):
@@ -88,10 +78,29 @@ def check_restored_sequence_state(state: Any, prioritized: bool) -> None:
     pos = host_array(state.pos, "pos", np.int32, batch).astype(np.int64)
     size = host_array(state.size, "size", np.int32, batch).astype(np.int64)
     laps = host_array(state.laps, "laps", np.int32, batch)
-    C = _rows(state.seq_len, "seq_len", batch, "capacity")
-    seq_len = host_array(state.seq_len, "seq_len", np.int32, batch + (C,))
-    seq_end = host_array(state.seq_end, "seq_end", np.int8, batch + (C,))
-    seq_first = host_array(state.seq_first, "seq_first", np.bool_, batch + (C,))
+    E = _rows(state.chain_n, "chain_n", batch, "num_envs")
+    pending, _ = _leaves(state.pending, "pending", batch + (E,))
+    if not pending or pending[0].ndim < nb + 2 or pending[0].shape[nb + 1] < 1:
+        raise ValueError(f"pending must hold arrays of shape {batch} + (num_envs, length, ...)")
+    L = int(pending[0].shape[nb + 1])
+    _leaves(state.pending, "pending", batch + (E, L))
+    _leaves(state.pending_core, "pending_core", batch + (E, L))
+    width = window_layout(state.pending, state.pending_core, nb).width
+    windows = state.windows
+    if (
+        not isinstance(windows, ARRAY_TYPES)
+        or windows.dtype != np.uint32
+        or windows.ndim != nb + 2
+        or windows.shape[:nb] != batch
+        or windows.shape[-1] != width
+        or windows.shape[nb] < 1
+    ):
+        shape = tuple(windows.shape) if isinstance(windows, ARRAY_TYPES) else type(windows)
+        raise ValueError(
+            f"windows must be uint32 of shape {batch} + (capacity, {width}) (a row of words "
+            f"per window, as the pending steps and core states lay it out), got {shape}"
+        )
+    C = int(windows.shape[nb])
     refuse_if(
         (size < 0) | (size > C) | (pos < 0) | (pos >= C) | ((size < C) & (pos != size)),
         nb,
@@ -103,22 +112,12 @@ def check_restored_sequence_state(state: Any, prioritized: bool) -> None:
         nb,
         f"laps must be 0 exactly while the buffer is not full, got {laps.tolist()}",
     )
-    steps, _ = _leaves(state.steps, "steps", batch + (C,))
-    if not steps or steps[0].ndim < nb + 2:
-        raise ValueError(f"steps must hold arrays of shape {batch} + (capacity, length, ...)")
-    L = int(steps[0].shape[nb + 1])
-    E = _rows(state.chain_n, "chain_n", batch, "num_envs")
+    seq_len = np.asarray(state.seq_len)
+    seq_end = np.asarray(state.seq_end)
+    seq_first = np.asarray(state.seq_first)
     n = host_array(state.chain_n, "chain_n", np.int32, batch + (E,))
     first = host_array(state.chain_first, "chain_first", np.bool_, batch + (E,))
     start = host_array(state.chain_start, "chain_start", np.int32, batch + (E,))
-    _pair(
-        state.steps, state.pending, (nb + 2, nb + 2), ("steps", "pending"),
-        (batch + (C, L), batch + (E, L)),
-    )  # fmt: skip
-    _pair(
-        state.core, state.pending_core, (nb + 1, nb + 2), ("core", "pending_core"),
-        (batch + (C,), batch + (E, L)),
-    )  # fmt: skip
     filled = np.arange(C) < size[..., None]
     refuse_if(
         (filled & ((seq_len < 1) | (seq_len > L)))
@@ -135,7 +134,8 @@ def check_restored_sequence_state(state: Any, prioritized: bool) -> None:
         nb,
         f"chain_n must be < {L}, and >= 0 at an episode's first window; chain_start in [0, {L})",
     )
-    unpadded = [np.asarray(_unpadded(x, state.seq_len, nb)) for x in steps]
+    steps = jax.tree_util.tree_leaves(state.steps)
+    unpadded = [np.asarray(_unpadded(x, seq_len, nb)) for x in steps]
     refuse_if(
         np.any(unpadded, axis=0),
         nb,

@@ -16,6 +16,7 @@ from coax_utils.replay import (
     make_prioritized_sequence_buffer,
     make_sequence_buffer,
 )
+from coax_utils.replay._seq_layout import window_layout
 from tests.replay.test_sequence_oracle import check_sample, expected_windows, random_stream
 
 CONFIGS = [(4, 2, 1, 3, 16), (3, 5, 0, 2, 8)]
@@ -33,6 +34,16 @@ def feed(calls, host, fn, state):
         host.add(*call)
         state = fn.add(state, *call)
     return state
+
+
+def rewritten(state, **fields):
+    """``state`` with some of its windows' fields (decoded: ``steps``, ``core``,
+    ``seq_len``, ``seq_end``, ``seq_first``) replaced, packed again into its rows."""
+    layout = window_layout(state.pending, state.pending_core, state.pos.ndim)
+    meta, body = layout.unpack(state.windows)
+    meta = {k: fields.get(k, v) for k, v in meta.items()}
+    body = {k: fields.get(k, v) for k, v in body.items()}
+    return state.replace(windows=layout.pack((meta, body)))
 
 
 def ids_of(slots, count, capacity):
@@ -162,11 +173,11 @@ def test_jitted_add_does_not_retrace_and_checkpoints_continue():
     b = fn.sample(restored, jax.random.key(3), 8)
     jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
     forged = [
-        state.replace(seq_len=state.seq_len.at[0].set(9)),
+        rewritten(state, seq_len=state.seq_len.at[0].set(9)),
         state.replace(pos=state.pos + 1, size=state.size - 1),
         state.replace(chain_n=state.chain_n.at[0].set(4)),
         state.replace(chain_start=state.chain_start.at[1].set(4)),
-        state.replace(seq_end=state.seq_end.at[0].set(3)),
+        rewritten(state, seq_end=state.seq_end.at[0].set(3)),
         state.replace(max_mix=jnp.float32(0.5)),
     ]
     for bad in forged:
@@ -179,9 +190,11 @@ def test_jitted_add_does_not_retrace_and_checkpoints_continue():
     np.testing.assert_array_equal(obs[n:], np.broadcast_to(obs[n - 1], obs[n:].shape))
     tampered = state.steps["obs"].at[short, 3].add(1.0)
     with pytest.raises(ValueError, match="the padding"):
-        utils.loads(utils.dumps(state.replace(steps={**state.steps, "obs": tampered})), safe=True)
+        utils.loads(
+            utils.dumps(rewritten(state, steps={**state.steps, "obs": tampered})), safe=True
+        )
     nan = state.steps["obs"].at[short, n - 1 :].set(np.nan)  # NaN pads with NaN: accepted
-    utils.loads(utils.dumps(state.replace(steps={**state.steps, "obs": nan})), safe=True)
+    utils.loads(utils.dumps(rewritten(state, steps={**state.steps, "obs": nan})), safe=True)
 
 
 @pytest.mark.parametrize("prioritized", [False, True])
@@ -215,13 +228,13 @@ def test_a_vmapped_batch_of_buffers_round_trips_and_continues(prioritized):
     jax.tree_util.tree_map(
         np.testing.assert_array_equal, sample(restored, keys), sample(state, keys)
     )
-    forged = [state.replace(seq_len=state.seq_len.at[1, 0].set(9))]
+    forged = [rewritten(state, seq_len=state.seq_len.at[1, 0].set(9))]
     if prioritized:
         forged.append(state.replace(max_mix=state.max_mix.at[2].set(0.5)))
     lengths = np.asarray(state.seq_len[2])
     short = int(np.flatnonzero((lengths > 0) & (lengths < 3))[0])
     tail = state.steps["obs"].at[2, short, 2].add(1.0)
-    forged.append(state.replace(steps={**state.steps, "obs": tail}))
+    forged.append(rewritten(state, steps={**state.steps, "obs": tail}))
     for bad, member in zip(forged, (1, 2, 2) if prioritized else (1, 2)):
         with pytest.raises(ValueError, match=rf"buffer \({member},\) of the batch"):
             utils.loads(utils.dumps(bad), safe=True)
