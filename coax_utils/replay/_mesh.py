@@ -64,8 +64,8 @@ class MeshBuffer:
     Made by :func:`shard_buffer`; see there. ``init``, ``add``, ``sample``,
     ``can_sample``, ``update`` (prioritized only), ``reset_chains`` (sequence buffers only)
     and ``put`` take and return whole sharded states; ``shard_add``, ``shard_sample``,
-    ``shard_update`` and ``shard_can_sample`` are their per-device halves, for use inside a
-    caller's own ``shard_map`` over ``mesh``.
+    ``shard_update``, ``shard_can_sample`` and ``shard_reset_chains`` are their per-device
+    halves, for use inside a caller's own ``shard_map`` over ``mesh``.
     """
 
     init: Callable[..., Any]
@@ -84,6 +84,7 @@ class MeshBuffer:
     num_shards: int
     capacity: int
     reset_chains: Callable[..., Any] | None = None
+    shard_reset_chains: Callable[..., Any] | None = None
 
     @property
     def state_sharding(self) -> NamedSharding:
@@ -173,7 +174,8 @@ def shard_buffer(buffer: Any, mesh: Mesh, axis_name: str) -> MeshBuffer:
 
     ``key`` must be the same on every device (e.g. placed with ``replicated``). The
     ``shard_*`` functions are the per-device halves, for use inside a ``shard_map`` over
-    ``mesh`` with the state's block (leading axis of size 1) and per-device batch sizes:
+    ``mesh`` with the state's block (leading axis of size 1) and per-device batch sizes
+    (``shard_add`` and ``shard_reset_chains`` take the device's rows, e.g. its sub-envs):
     ``shard_sample(block, key, batch_size)`` returns this device's ``batch_size`` rows of a
     draw of ``n * batch_size``; ``scope`` is a keyword of ``shard_sample``,
     ``shard_update`` and ``shard_can_sample`` as above.
@@ -435,13 +437,14 @@ def _build(kind: Kind, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
 
         return mapped(f, (spec,) * (1 + len(given)), spec)(state, *[args[i] for i in given])
 
+    def shard_reset_chains(block_: Any, mask: Any = None) -> Any:
+        return block(shard.reset_chains(local(block_), mask))
+
     def reset_chains(state: Any, mask: Any = None) -> Any:
         if mask is None:
-            return mapped(lambda b: block(shard.reset_chains(local(b))), (spec,), spec)(state)
+            return mapped(shard_reset_chains, (spec,), spec)(state)
         mask = jnp.broadcast_to(jnp.asarray(mask), (kind.rows_per_add,))
-        return mapped(lambda b, m: block(shard.reset_chains(local(b), m)), (spec, spec), spec)(
-            state, mask
-        )
+        return mapped(shard_reset_chains, (spec, spec), spec)(state, mask)
 
     def can_sample(state: Any, batch_size: int, scope: str = "mesh") -> jax.Array:
         count = jax.vmap(samplable)(kind.inner(state))
@@ -508,7 +511,7 @@ def _build(kind: Kind, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
         state.__checkpoint_check__()
         return jax.device_put(state, NamedSharding(mesh, spec))
 
-    prioritized = kind.prioritized
+    prioritized, chains = kind.prioritized, hasattr(shard, "reset_chains")
     return MeshBuffer(
         init=init,
         add=jax.jit(add),
@@ -525,5 +528,6 @@ def _build(kind: Kind, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
         axis_name=axis,
         num_shards=n,
         capacity=capacity,
-        reset_chains=jax.jit(reset_chains) if hasattr(shard, "reset_chains") else None,
+        reset_chains=jax.jit(reset_chains) if chains else None,
+        shard_reset_chains=shard_reset_chains if chains else None,
     )
