@@ -341,7 +341,8 @@ def _build(kind: Kind, mesh: Mesh, axis: str, n: int, capacity: int) -> MeshBuff
             owner, slots = _uniform_draws(kind, state, key, total, axis, n)
 
             def resolve(slots: jax.Array) -> tuple:
-                slots = jnp.where(slots < 0, (inner.pos - 1) % rows, slots)  # (see above)
+                # -1: draws that kept failing get the shard's newest, as in one buffer
+                slots = jnp.where(slots < 0, (inner.pos - 1) % rows, slots)
                 return globalize(kind.gather(state, slots, None), me), jnp.zeros(slots.shape)
 
             return serve(owner, slots, resolve, axis, n, per_round)[0]
