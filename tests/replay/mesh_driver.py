@@ -3,7 +3,9 @@
 ``python tests/replay/mesh_driver.py N FOLDER`` forces ``N`` host devices (the flag must be
 set before jax starts, hence a process per device count), runs every check and prints
 ``mesh checks passed on N devices``; a failed check raises. ``FOLDER`` takes the checkpoints.
-Every add, sample and update runs under ``jax.transfer_guard("disallow")``.
+Every add, sample and update runs under ``jax.transfer_guard("disallow")``. The uniform and
+prioritized buffers come first, then the sequence buffers (``check_sequences``) and the
+frame-stack buffers (``check_frames``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,11 @@ against one buffer's (chi-square) and the importance-weight formula, and with
 ``scope="shard"`` each shard's frequencies against its own priorities, the per-shard weights
 and no collective in the compiled sample and update; updates reaching the owning shard,
 checkpoints restored onto the mesh continuing the same stream, bad input refused before
-anything is written, everything under ``jax.transfer_guard("disallow")``.
+anything is written, everything under ``jax.transfer_guard("disallow")``. The same for the
+sequence buffers (sub-envs split over the devices: every sampled window is one that a big
+buffer fed the same stream holds, R2D2 priorities set by the owning shard) and the frame-stack
+buffers (stacks rebuilt as added, transitions that lost frames never sampled, also when
+drawn uniformly over the whole mesh).
 """
 
 from __future__ import annotations
