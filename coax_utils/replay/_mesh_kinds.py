@@ -199,6 +199,11 @@ def _frames(buffer: FrameStackBuffer | PrioritizedFrameStackBuffer, n: int) -> K
     # each shard stores the frames of its own transitions: its share of frame_capacity, or
     # with the default frame_capacity the default for its capacity
     frames = None if F == C + C // 64 + 2 * k else -(-F // n)
+    if frames is not None and frames < 2 * k:
+        raise ValueError(
+            f"frame_capacity {F} leaves {frames} frames to each of {n} devices, fewer than "
+            f"2 * stack_size = {2 * k}"
+        )
 
     def example(state: Any, lead: int) -> tuple:
         items, stored = state.transitions.items, state.frames

@@ -562,6 +562,9 @@ def check_frames(mesh, folder, keys):
             np.testing.assert_allclose(host(s.weights), w / w.max(), rtol=1e-5)
     chi_square(counts, p, "prioritized frame-stack sample over the mesh")
 
+    if n > 1:  # a frame ring too small to split
+        small = make_frame_stack_buffer(size, 2, frame_capacity=4)
+        refused(lambda: shard_buffer(small, mesh, "data"), "frames to each")
     back = restored(pb, state, os.path.join(folder, f"frames{n}.ckpt"))
     a, b = (feed_frames(pb, x, 12, 14) for x in (state, back))
     with jax.transfer_guard("disallow"):
