@@ -13,6 +13,7 @@ from jax.experimental import io_callback
 
 from coax_utils._dataclass import pytree_dataclass
 from coax_utils._minari import import_minari, read_episodes, select_episodes, space_spec
+from coax_utils._rows import RowLayout
 from coax_utils.sources._base import (
     CompiledNext,
     PyTree,
@@ -88,7 +89,7 @@ def permuted(key: jax.Array, positions: jax.Array, n: int) -> jax.Array:
 
 class _Chunk:
     """The transitions of consecutive episodes as flat NumPy arrays, read on the host; or,
-    after :meth:`to_device`, one byte table on the device that :meth:`gather` reads inside
+    after :meth:`to_device`, one table of words on the device that :meth:`gather` reads inside
     compiled code."""
 
     def __init__(self, episodes: list) -> None:
@@ -108,44 +109,30 @@ class _Chunk:
         self.ends = np.cumsum([len(ep.rewards) for ep in episodes]) - 1
 
     def to_device(self) -> _Chunk:
-        """Put the data on the default device as one byte table with a row per observation.
+        """Put the data on the default device as one table of words, a row per observation.
 
         Row ``o`` holds observation ``o`` followed by the fields of the transition that
         starts there (zeros on the last observation of an episode), so a transition read at
-        random costs two adjacent rows, not one read per field: the gathers of a shuffled
-        epoch are bound by the memory's latency.
+        random is one read of two adjacent rows, not one read per field: the gathers of a
+        shuffled epoch are bound by the memory's latency (see ``coax_utils/_rows.py``).
         """
-        obs, self._obs_def = jax.tree_util.tree_flatten(self.observations)
-        fields, self._fields_def = jax.tree_util.tree_flatten(self.fields)
-        n_obs = len(obs[0])
+        n_obs = len(jax.tree_util.tree_leaves(self.observations)[0])
         starts = np.arange(len(self.fields[1]))  # the observation row of each transition
         starts += np.repeat(np.arange(len(self.ends)), np.diff(self.ends, prepend=-1))
-        columns, self._layout, width = [], [], 0
-        for i, x in enumerate(obs + fields):
-            if i >= len(obs):
-                x = np.zeros((n_obs, *x.shape[1:]), x.dtype)
-                x[starts] = fields[i - len(obs)]
-            columns.append(np.ascontiguousarray(x).reshape(n_obs, -1).view(np.uint8))
-            self._layout.append((width, width + columns[-1].shape[1], x.dtype, x.shape[1:]))
-            width += columns[-1].shape[1]
-        self.table = jnp.asarray(np.concatenate(columns, axis=1))
+
+        def per_row(x: np.ndarray) -> np.ndarray:  # a transition's field, on its first row
+            out = np.zeros((n_obs, *x.shape[1:]), x.dtype)
+            out[starts] = x
+            return out
+
+        rows = (self.observations, jax.tree_util.tree_map(per_row, self.fields))
+        example = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), rows)
+        self._layout = RowLayout.of(example)
+        self._obs_layout = RowLayout.of(example[0])  # the first words of a row
+        self.table = self._layout.pack(rows)
         self.ends = jnp.asarray(self.ends.astype(np.int32))
         del self.observations, self.fields
         return self
-
-    def _unpack(self, rows: jax.Array, layout: list, treedef: Any) -> Any:
-        """The leaves laid out by ``layout`` in the byte ``rows`` (leading axes kept)."""
-        leaves = []
-        for start, stop, dtype, shape in layout:
-            b = rows[..., start:stop]
-            if dtype == np.bool_:
-                leaves.append((b != 0).reshape(*b.shape[:-1], *shape))
-                continue
-            item = () if dtype.itemsize == 1 else (dtype.itemsize,)
-            leaves.append(
-                jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], *shape, *item), dtype)
-            )
-        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def gather(self, rows: Any, window: int | None) -> tuple[dict, Any]:
         """The transitions at ``rows`` (or windows starting there) and their step masks.
@@ -169,14 +156,13 @@ class _Chunk:
             take = lambda tree, index: jax.tree_util.tree_map(lambda x: x[index], tree)  # noqa: E731
             observation, next_observation = (take(self.observations, obs_rows + i) for i in (0, 1))
             action, reward, terminated, truncated = take(self.fields, steps)
-        else:
-            k = self._obs_def.num_leaves  # the observation's columns come first
-            here, after = self.table[obs_rows], self.table[obs_rows + 1, : self._layout[k - 1][1]]
-            observation = self._unpack(here, self._layout[:k], self._obs_def)
-            next_observation = self._unpack(after, self._layout[:k], self._obs_def)
-            action, reward, terminated, truncated = self._unpack(
-                here, self._layout[k:], self._fields_def
+        else:  # one gather: rows o and o + 1 of each transition
+            two = jax.vmap(lambda o: jax.lax.dynamic_slice_in_dim(self.table, o, 2))
+            pairs = two(obs_rows.reshape(-1)).reshape(obs_rows.shape + (2, self._layout.width))
+            observation, (action, reward, terminated, truncated) = self._layout.unpack(
+                pairs[..., 0, :]
             )
+            next_observation = self._obs_layout.unpack(pairs[..., 1, : self._obs_layout.width])
         value = {
             "observation": observation,
             "action": action,
