@@ -36,21 +36,18 @@ class MinariSourceState:
         int32 scalar: number of completed epochs.
     position : jax.Array
         int32 scalar: how many batches of the current epoch have been emitted.
-    buffer : pytree of jax.Array
-        With ``chunk_steps``: the prefetched batches (leading axis ``prefetch``). Data in
-        memory: empty (leading axis 0).
-    buffer_mask : jax.Array
-        Their masks.
+    buffer : jax.Array
+        uint32, shape ``(prefetch, batch_size, width)``: the prefetched batches, each
+        transition (or window) and its mask packed into a row of words.
     buffer_start : jax.Array
         int32 scalar: the batch position of ``buffer[0]``; -1 when the buffer holds nothing
-        of the current epoch (always, for data in memory).
+        of the current epoch.
     """
 
     key: jax.Array
     epoch: jax.Array
     position: jax.Array
-    buffer: PyTree
-    buffer_mask: jax.Array
+    buffer: jax.Array
     buffer_start: jax.Array
 
 
@@ -192,11 +189,13 @@ class MinariSource(CompiledNext):
     of the window's episode are masked and repeat the episode's last step.
 
     Without ``chunk_steps`` (data that fit in memory), the whole selection is read once, at
-    construction, into arrays on the default device, and :meth:`next` gathers each batch
-    there in compiled code (a take by the epoch's permutation, whose entries for the batch
-    are computed from the key and the epoch, so the state holds no order of its own): a
-    :func:`jax.lax.scan` over an epoch never leaves XLA and never waits on the host. Each
-    epoch is shuffled as one.
+    construction, into a table on the default device, and :meth:`next` gathers there, in
+    compiled code, the next ``prefetch`` batches at once into the state (a take by the
+    epoch's permutation, whose entries are computed from the key and the epoch, so the state
+    holds no order of its own) and the following calls read them from the state: a
+    :func:`jax.lax.scan` over an epoch never leaves XLA and never waits on the host, and the
+    fixed cost of a gather is paid once per ``prefetch`` batches. Each epoch is shuffled as
+    one.
 
     Data larger than memory: with ``chunk_steps`` the episodes are grouped into chunks of
     consecutive episodes of about that many transitions, and only the chunks a prefetch
@@ -229,8 +228,9 @@ class MinariSource(CompiledNext):
         Use only the first this many steps (the last episode is cut there, truncated).
     chunk_steps : int, optional
         Hold about this many transitions in memory at a time (see above).
-    prefetch : int
-        With ``chunk_steps``: batches gathered per host callback (unused otherwise).
+    prefetch : int, optional
+        Batches gathered at once (per host callback with ``chunk_steps``) and held in the
+        state. Default: as many as fit in 4 MiB, at least 1 and at most 64.
     check_finite : bool
         Refuse NaN or infinite rewards, observations or actions (naming the episode).
 
@@ -268,14 +268,15 @@ class MinariSource(CompiledNext):
         episodes: Any = None,
         max_transitions: int | None = None,
         chunk_steps: int | None = None,
-        prefetch: int = 16,
+        prefetch: int | None = None,
         check_finite: bool = False,
     ) -> None:
         import_minari()
         self._batch_size = check_positive_int("batch_size", batch_size)
         self._ordering = check_ordering(ordering)
         self._window = None if window is None else check_positive_int("window", window)
-        self._prefetch = check_positive_int("prefetch", prefetch)
+        if prefetch is not None:
+            prefetch = check_positive_int("prefetch", prefetch)
         if chunk_steps is not None:
             chunk_steps = check_positive_int("chunk_steps", chunk_steps)
         if not isinstance(check_finite, bool):
@@ -329,11 +330,21 @@ class MinariSource(CompiledNext):
             },
         )
         self._spec_leaves, self._treedef = jax.tree_util.tree_flatten(self._spec)
-        held = 0 if self._device is not None else self._prefetch  # batches a state holds
+        # a transition (or window) and its mask: a row of the state's buffer
+        self._rows = RowLayout.of(
+            jax.tree_util.tree_map(
+                lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
+                (self._spec, jax.ShapeDtypeStruct(lead, np.dtype(np.bool_))),
+            )
+        )
+        if prefetch is None:  # as many batches as fit in 4 MiB, 1 to 64
+            prefetch = min(64, max(1, 2**20 // (self._batch_size * self._rows.width)))
+        self._prefetch = held = prefetch  # batches a state holds
         self._fetch_leaves = [
             jax.ShapeDtypeStruct((held, *s.shape), s.dtype) for s in self._spec_leaves
         ]
         self._mask_spec = jax.ShapeDtypeStruct((held, *lead), np.dtype(np.bool_))
+        self._buffer_shape = (held, self._batch_size, self._rows.width)
         self._epoch_order: tuple = (None, None)  # (key bits and epoch, order), on the host
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._ahead: tuple = (None, None)  # (what, future) of the refill prepared ahead
@@ -463,33 +474,48 @@ class MinariSource(CompiledNext):
             key=key,
             epoch=jnp.zeros([], jnp.int32),
             position=jnp.zeros([], jnp.int32),
-            buffer=jax.tree_util.tree_unflatten(
-                self._treedef, [jnp.zeros(s.shape, s.dtype) for s in self._fetch_leaves]
-            ),
-            buffer_mask=jnp.zeros(self._mask_spec.shape, jnp.bool_),
+            buffer=jnp.zeros(self._buffer_shape, jnp.uint32),
             buffer_start=jnp.full([], -1, jnp.int32),
         )
 
     def _refill(self, state: MinariSourceState) -> MinariSourceState:
         """Gather the ``prefetch`` batches that start at ``state.position``."""
-        key = state.key
-        bits = (
-            jax.random.key_data(key)
-            if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-            else key
-        )
-        leaves, mask = io_callback(
-            self._fetch,
-            (self._fetch_leaves, self._mask_spec),
-            bits,
-            state.epoch,
-            state.position,
-        )
-        return state.replace(
-            buffer=jax.tree_util.tree_unflatten(self._treedef, leaves),
-            buffer_mask=mask,
-            buffer_start=state.position,
-        )
+        if self._device is not None:
+            leaves, mask = self._gather_on_device(state)
+        else:
+            key = state.key
+            bits = (
+                jax.random.key_data(key)
+                if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+                else key
+            )
+            leaves, mask = io_callback(
+                self._fetch,
+                (self._fetch_leaves, self._mask_spec),
+                bits,
+                state.epoch,
+                state.position,
+            )
+        value = jax.tree_util.tree_unflatten(self._treedef, leaves)
+        return state.replace(buffer=self._rows.pack((value, mask)), buffer_start=state.position)
+
+    def _gather_on_device(self, state: MinariSourceState) -> tuple[list, jax.Array]:
+        """The ``prefetch`` batches at ``state.position``, gathered from the device table
+        by the epoch's order in one gather (rows past the epoch's end: zeros, masked)."""
+        n, size = self._length, self._prefetch * self._batch_size
+        positions = state.position * self._batch_size + jnp.arange(size, dtype=jnp.int32)
+        valid = positions < n
+        rows = jnp.minimum(positions, n - 1)
+        if self._ordering == "shuffle":
+            rows = permuted(jax.random.fold_in(state.key, state.epoch), rows, n)
+        value, step_mask = self._device.gather(rows, self._window)
+
+        def batched(x: jax.Array) -> jax.Array:
+            x = jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
+            return x.reshape((self._prefetch, self._batch_size, *x.shape[1:]))
+
+        step_mask = step_mask & (valid if self._window is None else valid[:, None])
+        return [batched(x) for x in self._treedef.flatten_up_to(value)], batched(step_mask)
 
     def next(self, state: MinariSourceState) -> tuple[PyTree, jax.Array, MinariSourceState]:
         """Return ``(batch, mask, new_state)``, gathering the next batches when needed.
@@ -506,21 +532,14 @@ class MinariSource(CompiledNext):
     def _next(self, state: MinariSourceState) -> tuple[PyTree, jax.Array, MinariSourceState]:
         if not isinstance(state, MinariSourceState):
             raise TypeError(f"{self!r}.next needs a MinariSourceState, got {type(state).__name__}")
-        shapes = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(state.buffer)]
-        if tuple(np.shape(state.buffer_mask)) != tuple(self._mask_spec.shape) or shapes != [
-            tuple(s.shape) for s in self._fetch_leaves
-        ]:
+        if tuple(np.shape(state.buffer)) != self._buffer_shape:
             raise ValueError(f"{self!r}.next got the state of another source (its buffer)")
-        if self._device is not None:
-            return self._next_in_memory(state)
         stale = jnp.logical_or(
             state.buffer_start < 0, state.position >= state.buffer_start + self._prefetch
         )
         state = jax.lax.cond(stale, self._refill, lambda state: state, state)
         row = state.position - state.buffer_start
-        pick = lambda b: jax.lax.dynamic_index_in_dim(b, row, keepdims=False)  # noqa: E731
-        batch = jax.tree_util.tree_map(pick, state.buffer)
-        mask = pick(state.buffer_mask)
+        batch, mask = self._rows.unpack(jax.lax.dynamic_index_in_dim(state.buffer, row, 0, False))
         position = state.position + 1
         epoch_ends = position >= self._steps_per_epoch
         new_state = state.replace(
@@ -529,37 +548,6 @@ class MinariSource(CompiledNext):
             buffer_start=jnp.where(epoch_ends, -1, state.buffer_start).astype(jnp.int32),
         )
         return batch, mask, new_state
-
-    def _next_in_memory(
-        self, state: MinariSourceState
-    ) -> tuple[PyTree, jax.Array, MinariSourceState]:
-        """The next batch gathered from the arrays on the device, by the epoch's order."""
-        n, size = self._length, self._batch_size
-        positions = state.position * size + jnp.arange(size, dtype=jnp.int32)
-        valid = positions < n
-        rows = jnp.minimum(positions, n - 1)
-        if self._ordering == "shuffle":
-            rows = permuted(jax.random.fold_in(state.key, state.epoch), rows, n)
-        value, step_mask = self._device.gather(rows, self._window)
-        if n % size:  # the last batch of an epoch is padded: zeros, masked
-
-            def pad(x: jax.Array) -> jax.Array:
-                return jnp.where(
-                    valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x)
-                )
-
-            value = jax.tree_util.tree_map(pad, value)
-            step_mask = step_mask & (valid if self._window is None else valid[:, None])
-        # the batch materialized once: XLA would otherwise fuse the gather (random reads)
-        # into each of its consumers, and repeat it
-        value, step_mask = jax.lax.optimization_barrier((value, step_mask))
-        position = state.position + 1
-        epoch_ends = position >= self._steps_per_epoch
-        new_state = state.replace(
-            position=jnp.where(epoch_ends, 0, position).astype(jnp.int32),
-            epoch=state.epoch + epoch_ends.astype(jnp.int32),
-        )
-        return value, step_mask, new_state
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

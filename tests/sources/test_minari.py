@@ -195,10 +195,22 @@ def test_the_epoch_permutation_is_a_well_mixed_bijection(n):
         assert abs(np.corrcoef(first, other)[0, 1]) < 0.2
 
 
+def test_default_prefetch_holds_at_most_4_mib(cartpole):
+    dataset, _ = cartpole
+    small = MinariSource(dataset, batch_size=8)
+    assert small.init_state(jax.random.key(0)).buffer.shape[0] == 64  # capped at 64 batches
+    for batch_size, window in ((4096, None), (512, 5)):
+        source = MinariSource(dataset, batch_size=batch_size, window=window)
+        buffer = source.init_state(jax.random.key(0)).buffer
+        assert buffer.nbytes <= 4 * 2**20 < (buffer.shape[0] + 1) * buffer[0].nbytes
+    with pytest.raises(ValueError, match="prefetch"):
+        MinariSource(dataset, batch_size=8, prefetch=0)
+
+
 def test_in_memory_data_never_leave_the_compiled_loop(cartpole):
     dataset, _ = cartpole
     in_memory = MinariSource(dataset, batch_size=8)
-    chunked = MinariSource(dataset, batch_size=8, chunk_steps=30)
+    chunked = MinariSource(dataset, batch_size=8, chunk_steps=30, prefetch=4)
     for source, callbacks in ((in_memory, 0), (chunked, 1)):
         state = source.init_state(jax.random.key(0))
         text = str(jax.make_jaxpr(source.next)(state))
