@@ -1,5 +1,6 @@
 """Routing of the mesh-sharded buffers (:mod:`coax_utils.replay._mesh`): rows packed into
-bytes, one all-gather per round, whatever the kind of buffer.
+words (:class:`coax_utils._rows.RowLayout`), one all-gather per round, whatever the kind of
+buffer.
 
 ``serve`` resolves draws on the shards that own them (samples); ``route`` hands entries to
 the shards that own their indices (updates). Both run inside ``shard_map``.
@@ -13,10 +14,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["block", "local", "pack", "round_rows", "route", "serve", "shard_map", "unpack"]
+from coax_utils._rows import RowLayout
+
+__all__ = ["block", "local", "round_rows", "route", "serve", "shard_map"]
 
 
 def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
@@ -49,32 +51,12 @@ def round_rows(batch_size: int, num_shards: int) -> int:
     return min(batch_size, math.ceil(mean + 4 * math.sqrt(mean)) + 4)
 
 
-def pack(tree: Any) -> jax.Array:
-    """Every leaf of ``tree`` (leading axis ``k``) as bytes, side by side: ``(k, W)`` uint8,
-    so that one collective moves them all."""
-    cols = []
-    for x in jax.tree_util.tree_leaves(tree):
-        if x.dtype == jnp.bool_:
-            x = x.astype(jnp.uint8)
-        cols.append(jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[0], -1))
-    return jnp.concatenate(cols, axis=1)
-
-
-def unpack(packed: jax.Array, template: Any) -> Any:
-    """The inverse of :func:`pack` for rows shaped like ``template`` (a pytree of arrays or
-    ``jax.ShapeDtypeStruct`` with a leading axis, of any length)."""
-    leaves, treedef = jax.tree_util.tree_flatten(template)
-    out, start = [], 0
-    k = packed.shape[0]
-    for t in leaves:
-        dtype = jnp.dtype(jnp.uint8 if t.dtype == jnp.bool_ else t.dtype)
-        width = int(np.prod(t.shape[1:], dtype=np.int64)) * dtype.itemsize
-        x = packed[:, start : start + width]
-        start += width
-        shape = (k,) + tuple(t.shape[1:]) + ((dtype.itemsize,) if dtype.itemsize > 1 else ())
-        x = jax.lax.bitcast_convert_type(x.reshape(shape), dtype)
-        out.append(x != 0 if t.dtype == jnp.bool_ else x)
-    return jax.tree_util.tree_unflatten(treedef, out)
+def _layout(rows: Any) -> RowLayout:
+    """The layout of one row of ``rows`` (a pytree of arrays or ``jax.ShapeDtypeStruct``
+    with a leading axis), as words, so that one collective moves all its leaves."""
+    return RowLayout.of(
+        jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), rows)
+    )
 
 
 def _ranks(owner: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
@@ -105,8 +87,7 @@ def serve(
     share = batch // n
     out_owner = jax.lax.dynamic_slice_in_dim(owner, me * share, share)
     out_rank = jax.lax.dynamic_slice_in_dim(rank, me * share, share)
-    template = jax.eval_shape(resolve, request[:rows])
-    width = pack(jax.tree_util.tree_map(jnp.zeros_like, template)).shape[1]
+    layout = _layout(jax.eval_shape(resolve, request[:rows]))
     served_rows = jnp.arange(rows, dtype=jnp.int32)
 
     def one_round(r: jax.Array, carry: tuple) -> tuple:
@@ -114,17 +95,17 @@ def serve(
         first = r * rows
         slot = jnp.where((owner == me) & (rank >= first), rank - first, rows)
         req = jnp.zeros((rows,), request.dtype).at[slot].set(request, mode="drop")
-        served = jax.lax.all_gather(pack(resolve(req)), axis)  # (n, rows, width)
+        served = jax.lax.all_gather(layout.pack(resolve(req)), axis)  # (n, rows, width)
         here = (out_rank >= first) & (out_rank < first + rows)
         got = served[out_owner, jnp.clip(out_rank - first, 0, rows - 1)]
         out = jnp.where(here[:, None], got, out)
-        score = unpack(served.reshape(n * rows, width), template)[1].reshape(n, rows)
+        score = layout.unpack(served)[1]  # (n, rows)
         valid = served_rows[None, :] < (counts - first)[:, None]
         return out, jnp.minimum(low, jnp.min(jnp.where(valid, score, jnp.inf)))
 
-    start = (jnp.zeros((share, width), jnp.uint8), jnp.float32(jnp.inf))
+    start = (jnp.zeros((share, layout.width), jnp.uint32), jnp.float32(jnp.inf))
     out, low = jax.lax.fori_loop(0, rounds, one_round, start)
-    return unpack(out, template)[0], low
+    return layout.unpack(out)[0], low
 
 
 def route(
@@ -140,8 +121,9 @@ def route(
     wins as in one call.
     """
     count = jax.tree_util.tree_leaves(entries)[0].shape[0]
-    words = jax.lax.all_gather(pack(entries), axis, axis=0, tiled=True)  # (n * k, W)
-    every = unpack(words, entries)
+    layout = _layout(entries)
+    words = jax.lax.all_gather(layout.pack(entries), axis, axis=0, tiled=True)  # (n * k, W)
+    every = layout.unpack(words)
     me = jax.lax.axis_index(axis)
     where = index(every)
     mine = (where >= 0) & (where // rows == me)
@@ -151,9 +133,9 @@ def route(
     def one_round(r: jax.Array, state: Any) -> Any:
         # this shard's entries, in their order (the last of duplicates wins): one scatter
         at = jnp.where(mine & (rank >= r * per_round), rank - r * per_round, per_round)
-        taken = jnp.zeros((per_round, words.shape[1]), jnp.uint8).at[at].set(words, mode="drop")
+        taken = jnp.zeros((per_round, layout.width), jnp.uint32).at[at].set(words, mode="drop")
         slots = jnp.full((per_round,), -1, jnp.int32).at[at].set(where - me * rows, mode="drop")
-        return apply(state, unpack(taken, entries), slots)
+        return apply(state, layout.unpack(taken), slots)
 
     rounds = (rank[-1] + per_round) // per_round
     return jax.lax.fori_loop(0, rounds, one_round, state)
