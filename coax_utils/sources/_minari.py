@@ -230,7 +230,8 @@ class MinariSource(CompiledNext):
         Hold about this many transitions in memory at a time (see above).
     prefetch : int, optional
         Batches gathered at once (per host callback with ``chunk_steps``) and held in the
-        state. Default: as many as fit in 4 MiB, at least 1 and at most 64.
+        state, at most the batches of an epoch. Default: as many as fit in 4 MiB, at least
+        1 and at most 64.
     check_finite : bool
         Refuse NaN or infinite rewards, observations or actions (naming the episode).
 
@@ -339,7 +340,8 @@ class MinariSource(CompiledNext):
         )
         if prefetch is None:  # as many batches as fit in 4 MiB, 1 to 64
             prefetch = min(64, max(1, 2**20 // (self._batch_size * self._rows.width)))
-        self._prefetch = held = prefetch  # batches a state holds
+        # batches a state holds: never more than an epoch's (the buffer restarts with each)
+        self._prefetch = held = min(prefetch, self._steps_per_epoch)
         self._fetch_leaves = [
             jax.ShapeDtypeStruct((held, *s.shape), s.dtype) for s in self._spec_leaves
         ]

@@ -198,13 +198,20 @@ def test_the_epoch_permutation_is_a_well_mixed_bijection(n):
 def test_default_prefetch_holds_at_most_4_mib(cartpole):
     dataset, _ = cartpole
     small = MinariSource(dataset, batch_size=8)
-    assert small.init_state(jax.random.key(0)).buffer.shape[0] == 64  # capped at 64 batches
+    held = small.init_state(jax.random.key(0)).buffer.shape[0]
+    assert held == min(64, small.steps_per_epoch)  # capped at 64 batches (and at an epoch)
     for batch_size, window in ((4096, None), (512, 5)):
         source = MinariSource(dataset, batch_size=batch_size, window=window)
         buffer = source.init_state(jax.random.key(0)).buffer
-        assert buffer.nbytes <= 4 * 2**20 < (buffer.shape[0] + 1) * buffer[0].nbytes
+        assert buffer.nbytes <= 4 * 2**20
+        assert buffer.shape[0] == source.steps_per_epoch or (
+            4 * 2**20 < (buffer.shape[0] + 1) * buffer[0].nbytes
+        )
     with pytest.raises(ValueError, match="prefetch"):
         MinariSource(dataset, batch_size=8, prefetch=0)
+    # never more than an epoch's batches (a huge prefetch allocates nothing more)
+    huge = MinariSource(dataset, batch_size=8, prefetch=2**30)
+    assert huge.init_state(jax.random.key(0)).buffer.shape[0] == huge.steps_per_epoch
 
 
 def test_in_memory_data_never_leave_the_compiled_loop(cartpole):
