@@ -37,8 +37,9 @@ class MinariSourceState:
     position : jax.Array
         int32 scalar: how many batches of the current epoch have been emitted.
     buffer : jax.Array
-        uint32, shape ``(prefetch, batch_size, width)``: the prefetched batches, each
-        transition (or window) and its mask packed into a row of words.
+        uint32, shape ``(prefetch, batch_size, width)`` (``(prefetch, batch_size, window,
+        width)`` for windows): the prefetched batches, each step (observation, action,
+        reward, flags, next observation and mask) packed into a row of words.
     buffer_start : jax.Array
         int32 scalar: the batch position of ``buffer[0]``; -1 when the buffer holds nothing
         of the current epoch.
@@ -52,6 +53,7 @@ class MinariSourceState:
 
 
 _ROUNDS = 4  # of the Feistel network of :func:`permuted`
+_MASK = RowLayout.of(jax.ShapeDtypeStruct((), np.dtype(np.bool_)))  # a step mask's word
 
 
 def permuted(key: jax.Array, positions: jax.Array, n: int) -> jax.Array:
@@ -131,11 +133,9 @@ class _Chunk:
         del self.observations, self.fields
         return self
 
-    def gather(self, rows: Any, window: int | None) -> tuple[dict, Any]:
-        """The transitions at ``rows`` (or windows starting there) and their step masks.
-
-        NumPy ``rows`` index the host arrays; traced ones the table :meth:`to_device` made.
-        """
+    def _locate(self, rows: Any, window: int | None) -> tuple[Any, Any, Any]:
+        """The observation rows and transitions of ``rows`` (or of the windows starting there)
+        and their step masks; NumPy or traced ``rows`` alike."""
         xp = np if isinstance(rows, np.ndarray) else jnp
         # an unrolled binary search (XLA:CPU runs a loop's steps one call at a time)
         unrolled = {} if xp is np else {"method": "scan_unrolled"}
@@ -148,27 +148,27 @@ class _Chunk:
             last = self.ends[episode]
             mask = steps <= last
             steps = xp.minimum(steps, last)
-        obs_rows = steps + episode  # each episode has one observation more
-        if xp is np:
-            take = lambda tree, index: jax.tree_util.tree_map(lambda x: x[index], tree)  # noqa: E731
-            observation, next_observation = (take(self.observations, obs_rows + i) for i in (0, 1))
-            action, reward, terminated, truncated = take(self.fields, steps)
-        else:  # one gather: rows o and o + 1 of each transition
-            two = jax.vmap(lambda o: jax.lax.dynamic_slice_in_dim(self.table, o, 2))
-            pairs = two(obs_rows.reshape(-1)).reshape(obs_rows.shape + (2, self._layout.width))
-            observation, (action, reward, terminated, truncated) = self._layout.unpack(
-                pairs[..., 0, :]
-            )
-            next_observation = self._obs_layout.unpack(pairs[..., 1, : self._obs_layout.width])
-        value = {
-            "observation": observation,
-            "action": action,
-            "reward": reward,
-            "next_observation": next_observation,
-            "terminated": terminated,
-            "truncated": truncated,
-        }
-        return value, mask
+        return steps + episode, steps, mask  # each episode has one observation more
+
+    def gather(self, rows: np.ndarray, window: int | None) -> tuple[tuple, np.ndarray]:
+        """``(observation, (action, reward, terminated, truncated), next_observation)`` of
+        the transitions at ``rows`` (or of the windows starting there), from the host arrays,
+        and their step masks."""
+        obs_rows, steps, mask = self._locate(rows, window)
+        take = lambda tree, index: jax.tree_util.tree_map(lambda x: x[index], tree)  # noqa: E731
+        observation, next_observation = (take(self.observations, obs_rows + i) for i in (0, 1))
+        return (observation, take(self.fields, steps), next_observation), mask
+
+    def gather_words(self, rows: jax.Array, window: int | None) -> jax.Array:
+        """The same from the table :meth:`to_device` made, as words: per step the row of the
+        observation (with the transition's fields), the words of the next observation and
+        the step mask, which is the layout ``MinariSource`` holds its batches in."""
+        obs_rows, _, mask = self._locate(rows, window)
+        # one gather: rows o and o + 1 of each transition
+        two = jax.vmap(lambda o: jax.lax.dynamic_slice_in_dim(self.table, o, 2))
+        pairs = two(obs_rows.reshape(-1)).reshape(obs_rows.shape + (2, self._layout.width))
+        next_obs = pairs[..., 1, : self._obs_layout.width]
+        return jnp.concatenate([pairs[..., 0, :], next_obs, _MASK.pack(mask)], -1)
 
 
 class MinariSource(CompiledNext):
@@ -330,23 +330,25 @@ class MinariSource(CompiledNext):
                 "truncated": scalar(np.bool_),
             },
         )
-        self._spec_leaves, self._treedef = jax.tree_util.tree_flatten(self._spec)
-        # a transition (or window) and its mask: a row of the state's buffer
-        self._rows = RowLayout.of(
-            jax.tree_util.tree_map(
-                lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
-                (self._spec, jax.ShapeDtypeStruct(lead, np.dtype(np.bool_))),
-            )
-        )
+        # a step of the state's buffer, as words: the observation and the transition's
+        # fields (the words of a device table's row), the next observation, the step mask
+        fields = (act_spec, scalar(np.float32), scalar(np.bool_), scalar(np.bool_))
+        step = (obs_spec, fields, obs_spec, scalar(np.bool_))
+        self._rows = RowLayout.of(step)
         if prefetch is None:  # as many batches as fit in 4 MiB, 1 to 64
-            prefetch = min(64, max(1, 2**20 // (self._batch_size * self._rows.width)))
+            words = self._batch_size * (self._window or 1) * self._rows.width
+            prefetch = min(64, max(1, 2**20 // words))
         # batches a state holds: never more than an epoch's (the buffer restarts with each)
         self._prefetch = held = min(prefetch, self._steps_per_epoch)
-        self._fetch_leaves = [
-            jax.ShapeDtypeStruct((held, *s.shape), s.dtype) for s in self._spec_leaves
-        ]
-        self._mask_spec = jax.ShapeDtypeStruct((held, *lead), np.dtype(np.bool_))
-        self._buffer_shape = (held, self._batch_size, self._rows.width)
+        self._fetch_leaves, self._step_treedef = jax.tree_util.tree_flatten(
+            jax.tree_util.tree_map(
+                lambda s: jax.ShapeDtypeStruct((held, *lead, *s.shape), s.dtype), step
+            )
+        )
+        self._buffer_shape = (held, *lead, self._rows.width)
+        if self._device is not None:  # the table's words start a step's words
+            table = self._device._layout.width + self._device._obs_layout.width
+            assert table == self._rows.width - _MASK.width, (table, self._rows.width)
         self._epoch_order: tuple = (None, None)  # (key bits and epoch, order), on the host
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._ahead: tuple = (None, None)  # (what, future) of the refill prepared ahead
@@ -380,8 +382,9 @@ class MinariSource(CompiledNext):
             chunk = self._memory[c] = _Chunk(episodes)
         return chunk
 
-    def _gather(self, indices: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-        """The transitions at ``indices`` (-1: padding), stacked in batches."""
+    def _gather(self, indices: np.ndarray) -> list[np.ndarray]:
+        """The steps at ``indices`` (-1: padding), stacked in batches: the leaves of the
+        buffer's step (see ``__init__``)."""
         flat = np.asarray(indices).reshape(-1)
         valid = flat >= 0
         if np.any(flat >= self._length):
@@ -392,19 +395,16 @@ class MinariSource(CompiledNext):
         for c in list(self._memory):  # keep only what this prefetch reads
             if c not in needed:
                 del self._memory[c]
-        # padding rows hold zeros, as in the other sources
+        # padding rows hold zeros (their mask False), as in the other sources
         out = [np.zeros(s.shape, s.dtype) for s in self._fetch_leaves]
         flat_out = [x.reshape((len(flat), *x.shape[2:])) for x in out]
-        mask = np.zeros(self._mask_spec.shape, bool)
-        flat_mask = mask.reshape((len(flat), -1))
         for c in needed.tolist():
             rows = np.flatnonzero(valid & (chunk_of == c))
             local = index[rows] - self._chunk_starts[c]
             value, step_mask = self._chunk(c).gather(local, self._window)
-            for target, leaf in zip(flat_out, self._treedef.flatten_up_to(value)):
+            for target, leaf in zip(flat_out, jax.tree_util.tree_leaves((value, step_mask))):
                 target[rows] = leaf
-            flat_mask[rows] = step_mask.reshape(len(rows), -1)
-        return out, mask
+        return out
 
     def _order(self, bits: np.ndarray, epoch: int) -> np.ndarray:
         """The transitions in the order of ``epoch``, drawn from the key's bits (cached)."""
@@ -483,7 +483,7 @@ class MinariSource(CompiledNext):
     def _refill(self, state: MinariSourceState) -> MinariSourceState:
         """Gather the ``prefetch`` batches that start at ``state.position``."""
         if self._device is not None:
-            leaves, mask = self._gather_on_device(state)
+            buffer = self._gather_on_device(state)
         else:
             key = state.key
             bits = (
@@ -491,33 +491,23 @@ class MinariSource(CompiledNext):
                 if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
                 else key
             )
-            leaves, mask = io_callback(
-                self._fetch,
-                (self._fetch_leaves, self._mask_spec),
-                bits,
-                state.epoch,
-                state.position,
-            )
-        value = jax.tree_util.tree_unflatten(self._treedef, leaves)
-        return state.replace(buffer=self._rows.pack((value, mask)), buffer_start=state.position)
+            leaves = io_callback(self._fetch, self._fetch_leaves, bits, state.epoch, state.position)
+            buffer = self._rows.pack(jax.tree_util.tree_unflatten(self._step_treedef, leaves))
+        return state.replace(buffer=buffer, buffer_start=state.position)
 
-    def _gather_on_device(self, state: MinariSourceState) -> tuple[list, jax.Array]:
+    def _gather_on_device(self, state: MinariSourceState) -> jax.Array:
         """The ``prefetch`` batches at ``state.position``, gathered from the device table
-        by the epoch's order in one gather (rows past the epoch's end: zeros, masked)."""
+        by the epoch's order in one gather, as the buffer's words (rows past the epoch's
+        end: zeros, so masked)."""
         n, size = self._length, self._prefetch * self._batch_size
         positions = state.position * self._batch_size + jnp.arange(size, dtype=jnp.int32)
         valid = positions < n
         rows = jnp.minimum(positions, n - 1)
         if self._ordering == "shuffle":
             rows = permuted(jax.random.fold_in(state.key, state.epoch), rows, n)
-        value, step_mask = self._device.gather(rows, self._window)
-
-        def batched(x: jax.Array) -> jax.Array:
-            x = jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
-            return x.reshape((self._prefetch, self._batch_size, *x.shape[1:]))
-
-        step_mask = step_mask & (valid if self._window is None else valid[:, None])
-        return [batched(x) for x in self._treedef.flatten_up_to(value)], batched(step_mask)
+        words = self._device.gather_words(rows, self._window)
+        words = jnp.where(valid.reshape((size,) + (1,) * (words.ndim - 1)), words, 0)
+        return words.reshape(self._buffer_shape)
 
     def next(self, state: MinariSourceState) -> tuple[PyTree, jax.Array, MinariSourceState]:
         """Return ``(batch, mask, new_state)``, gathering the next batches when needed.
@@ -541,7 +531,18 @@ class MinariSource(CompiledNext):
         )
         state = jax.lax.cond(stale, self._refill, lambda state: state, state)
         row = state.position - state.buffer_start
-        batch, mask = self._rows.unpack(jax.lax.dynamic_index_in_dim(state.buffer, row, 0, False))
+        words = jax.lax.dynamic_index_in_dim(state.buffer, row, 0, False)
+        observation, (action, reward, terminated, truncated), next_observation, mask = (
+            self._rows.unpack(words)
+        )
+        batch = {
+            "observation": observation,
+            "action": action,
+            "reward": reward,
+            "next_observation": next_observation,
+            "terminated": terminated,
+            "truncated": truncated,
+        }
         position = state.position + 1
         epoch_ends = position >= self._steps_per_epoch
         new_state = state.replace(
