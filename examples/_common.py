@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import shlex
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,8 +29,6 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-
-from coax_utils._files import atomic_write
 
 RETURNS_FILE = "returns.csv"
 RETURNS_HEADER = "env_step,episode_return"
@@ -204,9 +204,19 @@ def write_returns(outdir: Path | str, env_steps: Sequence[int], returns: Sequenc
     text.write(f"# command: python {command}\n{RETURNS_HEADER}\n")
     for step, ret in zip(env_steps, returns, strict=True):
         text.write(f"{int(step)},{float(ret):.6g}\n")
-    data = text.getvalue().encode()
     path = Path(outdir) / RETURNS_FILE
-    atomic_write(str(path), lambda place: place(0, data))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # written next to its place, then renamed over it: a reader never sees half a file
+    fd, temp = tempfile.mkstemp(prefix=f".{RETURNS_FILE}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text.getvalue())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        os.unlink(temp)
+        raise
     return path
 
 
