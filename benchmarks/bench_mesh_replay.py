@@ -54,8 +54,7 @@ from jax.sharding import Mesh  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
 
-from coax_utils.replay import make_prioritized_buffer  # noqa: E402
-from coax_utils.replay._mesh import shard_buffer  # noqa: E402
+from coax_utils.replay import make_prioritized_buffer, shard_buffer  # noqa: E402
 
 GRID_N = [2**14, 2**17, 2**20]
 GRID_B = [32, 256, 1024]
@@ -239,6 +238,30 @@ RATIOS = [  # (numerator, denominator, goal, "<=" or ">=")
 ]
 
 
+def dispatch_floor(mesh: Mesh, reps: int) -> tuple[float, float]:
+    """Microseconds per step of a jitted step that does nothing but add 1 to a donated
+    array: on one device, and on every device of ``mesh`` (a shard each). The second is
+    what any step sharded over the forced host devices costs at least."""
+    one = jax.jit(lambda x: x + 1, donate_argnums=0)
+    spec = jax.sharding.PartitionSpec("data")
+    every = jax.jit(
+        jax.shard_map(lambda x: x + 1, mesh=mesh, in_specs=spec, out_specs=spec),
+        donate_argnums=0,
+    )
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    states = [jnp.zeros(D), jax.device_put(jnp.zeros(D), sharding)]
+    times: list[list[float]] = [[], []]
+    for r in range(reps + 1):  # the first round warms up
+        for i, f in enumerate((one, every)):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                states[i] = f(states[i])
+                jax.block_until_ready(states[i])
+            if r:
+                times[i].append((time.perf_counter() - t0) / 200 * 1e6)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def time_config(n: int, b: int, mesh: Mesh, reps: int, rep_s: float, check: bool) -> dict:
     variants = [cls(n, b, mesh) for cls in VARIANTS]
     for v in variants:
@@ -299,6 +322,11 @@ def main(argv=None):
         f"python {sys.version.split()[0]}, numpy {np.__version__}, jax {jax.__version__}, "
         f"{os.cpu_count()} cpus, {D} forced host devices, load average "
         f"{os.getloadavg()[0]:.2f} at start"
+    )
+    floor_one, floor_all = dispatch_floor(mesh, reps)
+    print(
+        f"an empty step (x + 1, donated): {floor_one:.1f} us on one device, {floor_all:.1f} us "
+        f"on the {D} devices ({floor_all / floor_one:.1f}x)"
     )
     print("step (add B + sample B + update B), microseconds per step: median [min-max]")
     names = [cls.name for cls in VARIANTS]

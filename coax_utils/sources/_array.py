@@ -13,6 +13,7 @@ from coax_utils.sources._base import (
     canonical_dtype,
     check_fits,
     check_ordering,
+    check_restored,
     check_state,
     epoch_permutation,
     refresh_order,
@@ -46,6 +47,10 @@ class ArraySourceState:
     key: jax.Array
     epoch: jax.Array
     reshuffle: jax.Array
+
+    def __checkpoint_check__(self) -> None:
+        """Raise ValueError unless this (restored) state is one its source can produce."""
+        check_restored(self, ("position", "epoch"), ("reshuffle",), order=True)
 
 
 class ArraySource(CompiledNext):

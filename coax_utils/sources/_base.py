@@ -165,6 +165,60 @@ def check_state(state: Any, cls: type, order_length: int, owner: Any) -> None:
         )
 
 
+def check_restored(
+    state: Any,
+    counters: tuple[str, ...],
+    flags: tuple[str, ...] = (),
+    order: bool = False,
+    buffer_start: bool = False,
+) -> None:
+    """Refuse (ValueError) a restored source state that no run of its source produces.
+
+    A checkpoint rebuilds a state field by field; a damaged or hostile file could hold an
+    ``order`` that repeats samples, or positions that make ``next`` read the wrong rows
+    without a sign (reads in compiled code are clamped, not checked). Checked here, on host
+    copies: the ``counters`` (and ``buffer_start``) are int32 scalars, the counters at least
+    0; the ``flags`` are bool scalars; ``order`` is a permutation of ``range(len(order))``
+    and ``position`` lies in it; ``buffer_start`` is -1 (nothing held) or at most
+    ``position``.
+    """
+    kind = type(state).__name__
+
+    def scalar(name: str, dtype: Any) -> np.ndarray:
+        x = getattr(state, name)
+        if (
+            not isinstance(x, (np.ndarray, np.generic, jax.Array))
+            or np.dtype(x.dtype) != np.dtype(dtype)
+            or np.shape(x) != ()
+        ):
+            got = f"{x.dtype} of shape {np.shape(x)}" if hasattr(x, "dtype") else type(x).__name__
+            raise ValueError(f"{kind}.{name} must be a scalar of dtype {np.dtype(dtype)}, got {got}")
+        return np.asarray(x)
+
+    values = {name: int(scalar(name, np.int32)) for name in counters}
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{kind}.{name} is {value}, below 0")
+    for name in flags:
+        scalar(name, np.bool_)
+    if order:
+        x = state.order
+        if not isinstance(x, (np.ndarray, jax.Array)) or x.dtype != np.int32 or x.ndim != 1:
+            raise ValueError(f"{kind}.order must be a 1-d int32 array")
+        x = np.asarray(x)
+        if not np.array_equal(np.sort(x), np.arange(len(x))):
+            raise ValueError(f"{kind}.order is not a permutation of range({len(x)})")
+        if values["position"] >= len(x):
+            raise ValueError(f"{kind}.position {values['position']} lies beyond the epoch")
+    if buffer_start:
+        start = int(scalar("buffer_start", np.int32))
+        if not -1 <= start <= values["position"]:
+            raise ValueError(
+                f"{kind}.buffer_start is {start}: neither -1 nor within the epoch's first "
+                f"{values['position'] + 1} positions"
+            )
+
+
 def spec_of(tree: PyTree) -> PyTree:
     """Pytree of :class:`jax.ShapeDtypeStruct` of the leaves of ``tree`` (dtypes canonical)."""
     return jax.tree_util.tree_map(

@@ -16,6 +16,7 @@ from coax_utils.sources._base import (
     PyTree,
     Source,
     check_positive_int,
+    check_restored,
     zeros_like_spec,
 )
 
@@ -46,6 +47,10 @@ class BatchedSourceState:
     epoch: jax.Array
     batch_size: int = static_field()
     drop_last: bool = static_field()
+
+    def __checkpoint_check__(self) -> None:
+        """Raise ValueError unless this (restored) state is one its source can produce."""
+        check_restored(self, ("step", "epoch"))
 
 
 def _stack_into(buffer: PyTree, value: PyTree, row: jax.Array) -> PyTree:

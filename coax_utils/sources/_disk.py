@@ -17,6 +17,7 @@ from coax_utils.sources._base import (
     check_fits,
     check_ordering,
     check_positive_int,
+    check_restored,
     check_state,
     epoch_permutation,
     refresh_order,
@@ -59,6 +60,10 @@ class DiskSourceState:
     buffer: PyTree
     buffer_start: jax.Array
     reshuffle: jax.Array
+
+    def __checkpoint_check__(self) -> None:
+        """Raise ValueError unless this (restored) state is one its source can produce."""
+        check_restored(self, ("position", "epoch"), ("reshuffle",), order=True, buffer_start=True)
 
 
 def _describe(spec: jax.ShapeDtypeStruct) -> str:

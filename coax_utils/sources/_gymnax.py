@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from coax_utils._dataclass import pytree_dataclass
 from coax_utils.envs import step_without_autoreset
-from coax_utils.sources._base import CompiledNext, PyTree, check_positive_int
+from coax_utils.sources._base import CompiledNext, PyTree, check_positive_int, check_restored
 
 __all__ = ["GymnaxSource", "GymnaxSourceState"]
 
@@ -48,6 +48,10 @@ class GymnaxSourceState:
     epoch: jax.Array
     new_episode: jax.Array
     policy_state: PyTree = None
+
+    def __checkpoint_check__(self) -> None:
+        """Raise ValueError unless this (restored) state is one its source can produce."""
+        check_restored(self, ("step", "epoch"), ("new_episode",))
 
 
 class GymnaxSource(CompiledNext):
@@ -286,6 +290,4 @@ class GymnaxSource(CompiledNext):
         return transition, jnp.ones([], jnp.bool_), new_state
 
     def __repr__(self) -> str:
-        return (
-            f"GymnaxSource(env={self._env!r}, steps_per_epoch={self._steps_per_epoch})"
-        )
+        return f"GymnaxSource(env={self._env!r}, steps_per_epoch={self._steps_per_epoch})"

@@ -19,6 +19,7 @@ from coax_utils.sources._base import (
     PyTree,
     check_ordering,
     check_positive_int,
+    check_restored,
 )
 
 __all__ = ["MinariSource", "MinariSourceState", "permuted"]
@@ -50,6 +51,15 @@ class MinariSourceState:
     position: jax.Array
     buffer: jax.Array
     buffer_start: jax.Array
+
+    def __checkpoint_check__(self) -> None:
+        """Raise ValueError unless this (restored) state is one its source can produce."""
+        check_restored(self, ("position", "epoch"), buffer_start=True)
+        buffer = self.buffer
+        if not isinstance(buffer, (np.ndarray, jax.Array)) or buffer.dtype != np.uint32:
+            raise ValueError("MinariSourceState.buffer must be a uint32 array")
+        if buffer.ndim not in (3, 4):
+            raise ValueError(f"MinariSourceState.buffer has {buffer.ndim} axes, not 3 or 4")
 
 
 _ROUNDS = 4  # of the Feistel network of :func:`permuted`
