@@ -59,13 +59,25 @@ BAD = [
     ("array", lambda s: s.replace(order=s.order.astype(jnp.float32)), "order must be"),
     ("array", lambda s: s.replace(position=jnp.int32(-1)), "position is -1, below 0"),
     ("array", lambda s: s.replace(position=jnp.int32(10)), "beyond the epoch"),
-    ("array", lambda s: s.replace(reshuffle=jnp.int32(1)), "reshuffle must be a scalar of dtype bool"),
+    (
+        "array",
+        lambda s: s.replace(reshuffle=jnp.int32(1)),
+        "reshuffle must be a scalar of dtype bool",
+    ),
     ("disk", lambda s: s.replace(buffer_start=s.position + 1), "buffer_start is"),
     ("disk", lambda s: s.replace(buffer_start=jnp.int32(-2)), "buffer_start is -2"),
-    ("disk", lambda s: s.replace(epoch=jnp.zeros(2, jnp.int32)), "epoch must be a scalar of dtype int32"),
+    (
+        "disk",
+        lambda s: s.replace(epoch=jnp.zeros(2, jnp.int32)),
+        "epoch must be a scalar of dtype int32",
+    ),
     ("batched", lambda s: s.replace(step=jnp.int32(-3)), "step is -3"),
     ("batched", lambda s: s.replace(epoch=np.int64(0)), "epoch must be a scalar of dtype int32"),
-    ("gymnax", lambda s: s.replace(new_episode=jnp.int32(1)), "new_episode must be a scalar of dtype bool"),
+    (
+        "gymnax",
+        lambda s: s.replace(new_episode=jnp.int32(1)),
+        "new_episode must be a scalar of dtype bool",
+    ),
     ("gymnax", lambda s: s.replace(step=jnp.int32(-1)), "step is -1"),
     ("minari", lambda s: s.replace(buffer_start=s.position + 1), "buffer_start is"),
     ("minari", lambda s: s.replace(epoch=jnp.int32(-1)), "epoch is -1"),
@@ -79,3 +91,11 @@ def test_a_state_no_run_produces_is_refused(kind, damage, message, cartpole, tmp
     _, state = make(kind, cartpole)
     with pytest.raises(ValueError, match=message):
         restored(damage(state), tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["array", "disk", "batched", "gymnax", "minari"])
+def test_every_state_of_a_run_passes_the_check(kind, cartpole):  # noqa: F811
+    source, state = make(kind, cartpole)
+    for _ in range(2 * source.steps_per_epoch + 1):  # across two epoch ends
+        state.__checkpoint_check__()
+        _, _, state = source.next(state)
