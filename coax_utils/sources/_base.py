@@ -192,7 +192,8 @@ def check_restored(
             or np.shape(x) != ()
         ):
             got = f"{x.dtype} of shape {np.shape(x)}" if hasattr(x, "dtype") else type(x).__name__
-            raise ValueError(f"{kind}.{name} must be a scalar of dtype {np.dtype(dtype)}, got {got}")
+            want = f"a scalar of dtype {np.dtype(dtype)}"
+            raise ValueError(f"{kind}.{name} must be {want}, got {got}")
         return np.asarray(x)
 
     values = {name: int(scalar(name, np.int32)) for name in counters}
