@@ -384,7 +384,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     n = args.transitions or (100_000 if args.quick else 1_000_000)
-    repeats = args.repeats or (2 if args.quick else 3)
+    repeats = args.repeats or (2 if args.quick else 5)
     stream = args.stream or (50_000 if args.quick else 200_000)
     with tempfile.TemporaryDirectory() as root:
         os.environ["MINARI_DATASETS_PATH"] = root

@@ -113,9 +113,11 @@ class _Chunk:
             np.concatenate([ep.terminations for ep in episodes]),
             np.concatenate([ep.truncations for ep in episodes]),
         )
-        # the last transition of each episode (a small table: looked up by binary search,
-        # it spares a random read of a per-transition array in every gather)
-        self.ends = np.cumsum([len(ep.rewards) for ep in episodes]) - 1
+        lengths = [len(ep.rewards) for ep in episodes]
+        self.ends = np.cumsum(lengths) - 1  # the last transition of each episode
+        # the episode of each transition (one read where a binary search in ``ends`` took
+        # a dozen dependent ones)
+        self.episode = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
 
     def to_device(self) -> _Chunk:
         """Put the data on the default device as one table of words, a row per observation.
@@ -123,7 +125,8 @@ class _Chunk:
         Row ``o`` holds observation ``o`` followed by the fields of the transition that
         starts there (zeros on the last observation of an episode), so a transition read at
         random is one read of two adjacent rows, not one read per field: the gathers of a
-        shuffled epoch are bound by the memory's latency (see ``coax_utils/_rows.py``).
+        shuffled epoch are bound by the memory's latency (see ``coax_utils/_rows.py``). Two
+        rows of zeros end the table: the rows a padding step reads.
         """
         n_obs = len(jax.tree_util.tree_leaves(self.observations)[0])
         starts = np.arange(len(self.fields[1]))  # the observation row of each transition
@@ -138,8 +141,11 @@ class _Chunk:
         example = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), rows)
         self._layout = RowLayout.of(example)
         self._obs_layout = RowLayout.of(example[0])  # the first words of a row
-        self.table = self._layout.pack(rows)
+        self.table = jnp.concatenate(
+            [self._layout.pack(rows), jnp.zeros((2, self._layout.width), jnp.uint32)]
+        )
         self.ends = jnp.asarray(self.ends.astype(np.int32))
+        self.episode = jnp.asarray(self.episode)
         del self.observations, self.fields
         return self
 
@@ -147,9 +153,7 @@ class _Chunk:
         """The observation rows and transitions of ``rows`` (or of the windows starting there)
         and their step masks; NumPy or traced ``rows`` alike."""
         xp = np if isinstance(rows, np.ndarray) else jnp
-        # an unrolled binary search (XLA:CPU runs a loop's steps one call at a time)
-        unrolled = {} if xp is np else {"method": "scan_unrolled"}
-        episode = xp.searchsorted(self.ends, rows, **unrolled)  # the episode of each row
+        episode = self.episode[rows]
         if window is None:  # single transitions: every step valid
             steps, mask = rows, xp.ones(rows.shape, bool)
         else:
@@ -169,11 +173,16 @@ class _Chunk:
         observation, next_observation = (take(self.observations, obs_rows + i) for i in (0, 1))
         return (observation, take(self.fields, steps), next_observation), mask
 
-    def gather_words(self, rows: jax.Array, window: int | None) -> jax.Array:
+    def gather_words(self, rows: jax.Array, valid: jax.Array, window: int | None) -> jax.Array:
         """The same from the table :meth:`to_device` made, as words: per step the row of the
         observation (with the transition's fields), the words of the next observation and
-        the step mask, which is the layout ``MinariSource`` holds its batches in."""
+        the step mask, which is the layout ``MinariSource`` holds its batches in. Where
+        ``valid`` is False (padding) every word is zero."""
         obs_rows, _, mask = self._locate(rows, window)
+        if window is not None:
+            valid = valid[:, None]
+        obs_rows = jnp.where(valid, obs_rows, len(self.table) - 2)  # padding: the zero rows
+        mask = mask & valid
         # one gather: rows o and o + 1 of each transition
         two = jax.vmap(lambda o: jax.lax.dynamic_slice_in_dim(self.table, o, 2))
         pairs = two(obs_rows.reshape(-1)).reshape(obs_rows.shape + (2, self._layout.width))
@@ -515,9 +524,7 @@ class MinariSource(CompiledNext):
         rows = jnp.minimum(positions, n - 1)
         if self._ordering == "shuffle":
             rows = permuted(jax.random.fold_in(state.key, state.epoch), rows, n)
-        words = self._device.gather_words(rows, self._window)
-        words = jnp.where(valid.reshape((size,) + (1,) * (words.ndim - 1)), words, 0)
-        return words.reshape(self._buffer_shape)
+        return self._device.gather_words(rows, valid, self._window).reshape(self._buffer_shape)
 
     def next(self, state: MinariSourceState) -> tuple[PyTree, jax.Array, MinariSourceState]:
         """Return ``(batch, mask, new_state)``, gathering the next batches when needed.

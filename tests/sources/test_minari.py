@@ -113,7 +113,8 @@ def test_windows_follow_the_sequence_mask_rule(cartpole, chunk_steps):
         for row in range(6):
             t = start + row
             if t >= len(steps):
-                assert not mask[row].any()  # padding row
+                assert not mask[row].any()  # padding row, all zeros
+                assert not any(leaf[row].any() for leaf in jax.tree.leaves(value))
                 continue
             end = np.flatnonzero(episode == episode[t])[-1]
             want = np.minimum(np.arange(t, t + 4), end)  # repeat-last padding
