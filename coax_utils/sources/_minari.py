@@ -208,13 +208,14 @@ class MinariSource(CompiledNext):
     of the window's episode are masked and repeat the episode's last step.
 
     Without ``chunk_steps`` (data that fit in memory), the whole selection is read once, at
-    construction, into a table on the default device, and :meth:`next` gathers there, in
-    compiled code, the next ``prefetch`` batches at once into the state (a take by the
-    epoch's permutation, whose entries are computed from the key and the epoch, so the state
-    holds no order of its own) and the following calls read them from the state: a
-    :func:`jax.lax.scan` over an epoch never leaves XLA and never waits on the host, and the
-    fixed cost of a gather is paid once per ``prefetch`` batches. Each epoch is shuffled as
-    one.
+    construction, into a table on the default device (a row of words per observation, with
+    its transition's fields, and one int32 per transition: its episode), and :meth:`next`
+    gathers there, in compiled code, the next ``prefetch`` batches at once into the state
+    (a take by the epoch's permutation, whose entries are computed from the key and the
+    epoch, so the state holds no order of its own) and the following calls read them from
+    the state: a :func:`jax.lax.scan` over an epoch never leaves XLA and never waits on the
+    host, and the fixed cost of a gather is paid once per ``prefetch`` batches. Each epoch is
+    shuffled as one.
 
     Data larger than memory: with ``chunk_steps`` the episodes are grouped into chunks of
     consecutive episodes of about that many transitions, and only the chunks a prefetch
