@@ -521,7 +521,9 @@ class MinariSource(CompiledNext):
         end: zeros, so masked)."""
         n, size = self._length, self._prefetch * self._batch_size
         positions = state.position * self._batch_size + jnp.arange(size, dtype=jnp.int32)
-        valid = positions < n
+        # a restored position beyond the epoch (the state alone cannot show it; its product
+        # may even wrap around int32) reads padding, like the end of an epoch
+        valid = (positions < n) & (state.position < self._steps_per_epoch)
         rows = jnp.minimum(positions, n - 1)
         if self._ordering == "shuffle":
             rows = permuted(jax.random.fold_in(state.key, state.epoch), rows, n)

@@ -99,3 +99,22 @@ def test_every_state_of_a_run_passes_the_check(kind, cartpole):  # noqa: F811
     for _ in range(2 * source.steps_per_epoch + 1):  # across two epoch ends
         state.__checkpoint_check__()
         _, _, state = source.next(state)
+
+
+@pytest.mark.parametrize("ordering", ["shuffle", "sequential"])
+@pytest.mark.parametrize("position", [10_000, 2**30])  # 2**30 * 4 wraps around int32
+def test_a_position_beyond_the_epoch_reads_padding_then_a_new_epoch(
+    ordering,
+    position,
+    cartpole,  # noqa: F811
+):
+    # the state's check cannot know the epoch's length: the in-memory source masks instead
+    source = MinariSource(cartpole[0], 4, ordering=ordering, prefetch=2)
+    state = source.init_state(jax.random.key(0)).replace(position=jnp.int32(position))
+    state.__checkpoint_check__()
+    value, mask, state = source.next(state)
+    assert not mask.any()
+    assert not any(leaf.any() for leaf in jax.tree_util.tree_leaves(value))
+    assert int(state.epoch) == 1 and int(state.position) == 0
+    _, mask, _ = source.next(state)
+    assert mask.all()
