@@ -2,7 +2,11 @@
 
 One step is ``add`` of ``B`` small items (CartPole-sized: 4 + 4 float32, an action, a
 reward), ``sample`` of ``B`` items and ``update`` of their ``B`` priorities (fresh ones
-every step), one ``jax.jit`` with the state donated, over the grid of
+every step; the sampled items and weights are read into a per-row checksum, as a loss
+would read them). ``K`` steps run as one ``jax.lax.scan`` in one ``jax.jit`` call with the
+state donated (``--steps-per-call K``, 50 by default: chunks of steps in one call are how
+``examples/anakin_dqn.py`` trains; ``K = 1`` times a call per step, which on forced host
+devices mostly times the hand-over of the call to the 8 device threads), over the grid of
 ``bench_segment_tree.py``: total capacity ``N`` in {2^14, 2^17, 2^20} x total batch ``B``
 in {32, 256, 1024}, buffers full before timing. Variants, timed round robin in one process:
 
@@ -83,13 +87,33 @@ def pattern(indices: jax.Array) -> jax.Array:
     return jnp.where(indices % 4 == 0, 8.0, 1.0)
 
 
+def checksum(items: dict, weights: jax.Array) -> jax.Array:
+    """One number per sampled row from all it holds (row-wise: no sum across devices)."""
+    return items["s"].sum(-1) + items["s_next"].sum(-1) + items["a"] + items["r"] + weights
+
+
+def scanned(step, k: int):
+    """``k`` calls of ``step(state, batch, t) -> (state, items, weights)`` as one scan;
+    ``(state, batch, t, acc) -> (state, t + k, acc + the rows' checksums)``."""
+
+    def run(state, batch, t, acc):
+        def body(carry, _):
+            state, t, acc = carry
+            state, items, weights = step(state, batch, t)
+            return (state, t + 1, acc + checksum(items, weights)), None
+
+        return jax.lax.scan(body, (state, t, acc), None, length=k)[0]
+
+    return run
+
+
 # -- variants: fill(), step(), share() ----------------------------------------------------------
 
 
 class OneDevice:
     name = "one_device"
 
-    def __init__(self, n: int, b: int, mesh: Mesh):
+    def __init__(self, n: int, b: int, mesh: Mesh, k: int):
         self.n, self.b = n, b
         self.buf = make_prioritized_buffer(n, alpha=ALPHA, beta=0.4, epsilon=1e-6)
         dev = jax.devices()[0]
@@ -98,16 +122,16 @@ class OneDevice:
         self.batches = [self.put(items(b, k * b)) for k in range(4)]
         buf, keys = self.buf, self.keys
 
-        @functools.partial(jax.jit, donate_argnums=0)
-        def step(state, batch, step):
+        def step(state, batch, t):
             state = buf.add(state, batch)
-            s = buf.sample(state, keys[step % NKEYS], b)
-            state = buf.update(state, s.indices, new_priorities(s.indices, step), s.versions)
-            return state, (s.items, s.weights), step + 1
+            s = buf.sample(state, keys[t % NKEYS], b)
+            state = buf.update(state, s.indices, new_priorities(s.indices, t), s.versions)
+            return state, s.items, s.weights
 
-        self._step = step
+        self._run = jax.jit(scanned(step, k), donate_argnums=(0, 3))
         self.state = buf.init(jax.tree_util.tree_map(lambda x: x[0], self.batches[0]))
         self.t = self.put(np.int32(0))
+        self.acc = self.put(np.zeros(b, np.float32))
 
     def fill(self):
         add = jax.jit(self.buf.add, donate_argnums=0)
@@ -116,8 +140,9 @@ class OneDevice:
             self.state = add(self.state, self.put(items(chunk, lo)))
 
     def step(self, k: int):
-        self.state, out, self.t = self._step(self.state, self.batches[k % 4], self.t)
-        jax.block_until_ready((self.state, out))
+        """One call: ``K`` steps."""
+        out = self._run(self.state, self.batches[k % 4], self.t, self.acc)
+        self.state, self.t, self.acc = jax.block_until_ready(out)
 
     def share(self) -> float:
         idx = jnp.arange(self.n, dtype=jnp.int32)
@@ -129,7 +154,7 @@ class OneDevice:
 class Sharded(OneDevice):
     name, scope = "sharded_mesh", "mesh"
 
-    def __init__(self, n: int, b: int, mesh: Mesh):
+    def __init__(self, n: int, b: int, mesh: Mesh, k: int):
         self.n, self.b = n, b
         big = make_prioritized_buffer(n, alpha=ALPHA, beta=0.4, epsilon=1e-6)
         self.buf = mb = shard_buffer(big, mesh, "data")
@@ -139,17 +164,17 @@ class Sharded(OneDevice):
         self.keys = keys = jax.device_put(jax.random.split(jax.random.key(1), NKEYS), rep)
         self.batches = [self.put(items(b, k * b)) for k in range(4)]
 
-        @functools.partial(jax.jit, donate_argnums=0)
-        def step(state, batch, step):
+        def step(state, batch, t):
             state = mb.add(state, batch)
-            s = mb.sample(state, keys[step % NKEYS], b, scope=scope)
-            p = new_priorities(s.indices, step)
+            s = mb.sample(state, keys[t % NKEYS], b, scope=scope)
+            p = new_priorities(s.indices, t)
             state = mb.update(state, s.indices, p, s.versions, scope=scope)
-            return state, (s.items, s.weights), step + 1
+            return state, s.items, s.weights
 
-        self._step = step
+        self._run = jax.jit(scanned(step, k), donate_argnums=(0, 3))
         self.state = mb.init(jax.tree_util.tree_map(lambda x: x[0], items(1)))
         self.t = jax.device_put(np.int32(0), rep)
+        self.acc = self.put(np.zeros(b, np.float32))
 
     def share(self) -> float:
         idx = self.put(np.arange(self.n, dtype=np.int32))
@@ -169,7 +194,7 @@ class ShardedShard(Sharded):
 class FlashbaxPmap(OneDevice):
     name = "flashbax_pmap"
 
-    def __init__(self, n: int, b: int, mesh: Mesh):
+    def __init__(self, n: int, b: int, mesh: Mesh, k: int):
         import flashbax
 
         self.n, self.b = n, b
@@ -191,16 +216,22 @@ class FlashbaxPmap(OneDevice):
         self.keys = self.put(keys)
         self.batches = [self.put_tree(self.split(items(b, k * b))) for k in range(4)]
 
-        def step(state, batch, keys, step):
-            state = fb.add(state, batch)
-            s = fb.sample(state, jax.random.wrap_key_data(keys[step % NKEYS]))
-            state = fb.set_priorities(state, s.indices, new_priorities(s.indices, step))
-            return state, (s.experience, s.probabilities), step + 1
+        def run(state, batch, t, acc, keys):
+            def step(state, batch, t):
+                state = fb.add(state, batch)
+                s = fb.sample(state, jax.random.wrap_key_data(keys[t % NKEYS]))
+                state = fb.set_priorities(state, s.indices, new_priorities(s.indices, t))
+                # flashbax returns probabilities: the weights, as ours (same formula)
+                w = (s.probabilities * (n // D)) ** -0.4
+                return state, s.experience, w / jnp.max(w)
 
-        self._pstep = jax.pmap(step, axis_name="data", donate_argnums=0, devices=devices)
+            return scanned(step, k)(state, batch, t, acc)
+
+        self._run = jax.pmap(run, axis_name="data", donate_argnums=(0, 3), devices=devices)
         example = jax.tree_util.tree_map(lambda x: x[0], items(1))
         self.state = jax.pmap(lambda _: fb.init(example), devices=devices)(jnp.arange(D))
         self.t = self.put(np.zeros(D, np.int32))
+        self.acc = self.put(np.zeros((D, b // D), np.float32))
 
     def put_tree(self, tree):
         return jax.tree_util.tree_map(self.put, tree)
@@ -212,8 +243,8 @@ class FlashbaxPmap(OneDevice):
             self.state = add(self.state, self.put_tree(self.split(items(chunk, lo))))
 
     def step(self, k: int):
-        self.state, out, self.t = self._pstep(self.state, self.batches[k % 4], self.keys, self.t)
-        jax.block_until_ready((self.state, out))
+        out = self._run(self.state, self.batches[k % 4], self.t, self.acc, self.keys)
+        self.state, self.t, self.acc = jax.block_until_ready(out)
 
     def share(self) -> float:
         fb = self.fb
@@ -238,32 +269,43 @@ RATIOS = [  # (numerator, denominator, goal, "<=" or ">=")
 ]
 
 
-def dispatch_floor(mesh: Mesh, reps: int) -> tuple[float, float]:
-    """Microseconds per step of a jitted step that does nothing but add 1 to a donated
-    array: on one device, and on every device of ``mesh`` (a shard each). The second is
-    what any step sharded over the forced host devices costs at least."""
-    one = jax.jit(lambda x: x + 1, donate_argnums=0)
+def floors(mesh: Mesh, steps: int, reps: int) -> list[float]:
+    """Microseconds per step of three steps that do almost nothing, ``steps`` to a call as
+    the variants run: add 1 to a donated array on one device; the same on every device of
+    ``mesh`` (a shard each); and there, add the sum over the devices (one collective of 8
+    floats, as the exact sample's totals). What a step costs at least on the forced host
+    devices, and what each collective adds."""
+
+    def chain(f):
+        return lambda x: jax.lax.scan(lambda x, _: (f(x), None), x, None, length=steps)[0]
+
     spec = jax.sharding.PartitionSpec("data")
-    every = jax.jit(
-        jax.shard_map(lambda x: x + 1, mesh=mesh, in_specs=spec, out_specs=spec),
-        donate_argnums=0,
-    )
+    on_mesh = functools.partial(jax.shard_map, mesh=mesh, in_specs=spec, out_specs=spec)
+    fns = [
+        chain(lambda x: x + 1),
+        on_mesh(chain(lambda x: x + 1)),
+        on_mesh(chain(lambda x: x + jax.lax.psum(x, "data") * 1e-9)),
+    ]
+    fns = [jax.jit(f, donate_argnums=0) for f in fns]
     sharding = jax.sharding.NamedSharding(mesh, spec)
-    states = [jnp.zeros(D), jax.device_put(jnp.zeros(D), sharding)]
-    times: list[list[float]] = [[], []]
+    states = [jnp.zeros(D)] + [jax.device_put(jnp.zeros(D), sharding) for _ in range(2)]
+    times: list[list[float]] = [[] for _ in fns]
+    calls = max(1, 2000 // steps)
     for r in range(reps + 1):  # the first round warms up
-        for i, f in enumerate((one, every)):
+        for i, f in enumerate(fns):
             t0 = time.perf_counter()
-            for _ in range(200):
-                states[i] = f(states[i])
-                jax.block_until_ready(states[i])
+            for _ in range(calls):
+                states[i] = jax.block_until_ready(f(states[i]))
             if r:
-                times[i].append((time.perf_counter() - t0) / 200 * 1e6)
-    return statistics.median(times[0]), statistics.median(times[1])
+                times[i].append((time.perf_counter() - t0) / (calls * steps) * 1e6)
+    return [statistics.median(t) for t in times]
 
 
-def time_config(n: int, b: int, mesh: Mesh, reps: int, rep_s: float, check: bool) -> dict:
-    variants = [cls(n, b, mesh) for cls in VARIANTS]
+def time_config(
+    n: int, b: int, mesh: Mesh, steps: int, reps: int, rep_s: float, check: bool
+) -> dict:
+    """Microseconds per step (a call runs ``steps``) of every variant, ``reps`` rounds."""
+    variants = [cls(n, b, mesh, steps) for cls in VARIANTS]
     for v in variants:
         v.fill()
     shares = {}
@@ -300,7 +342,7 @@ def time_config(n: int, b: int, mesh: Mesh, reps: int, rep_s: float, check: bool
             t0 = time.perf_counter()
             for k in range(m):
                 v.step(k)
-            times[v.name].append((time.perf_counter() - t0) / m * 1e6)
+            times[v.name].append((time.perf_counter() - t0) / (m * steps) * 1e6)
     return times
 
 
@@ -308,6 +350,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of one configuration")
     parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument(
+        "--steps-per-call", type=int, default=50, help="steps in one jitted call (default 50)"
+    )
     _results.add_argument(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -323,20 +368,31 @@ def main(argv=None):
         f"{os.cpu_count()} cpus, {D} forced host devices, load average "
         f"{os.getloadavg()[0]:.2f} at start"
     )
-    floor_one, floor_all = dispatch_floor(mesh, reps)
+    one, every, psum = floors(mesh, args.steps_per_call, reps)
     print(
-        f"an empty step (x + 1, donated): {floor_one:.1f} us on one device, {floor_all:.1f} us "
-        f"on the {D} devices ({floor_all / floor_one:.1f}x)"
+        f"an empty step (x + 1, donated, {args.steps_per_call} per call): {one:.1f} us on one "
+        f"device, {every:.1f} us on the {D} devices, {psum:.1f} us there with one psum"
     )
-    print("step (add B + sample B + update B), microseconds per step: median [min-max]")
+    print(
+        f"step (add B + sample B + update B), {args.steps_per_call} steps per call, "
+        "microseconds per step: median [min-max]"
+    )
     names = [cls.name for cls in VARIANTS]
     print(f"{'N':>6} {'B':>5} " + "".join(f"{x:>24}" for x in names))
     rows, ratios = [], {r: [] for r in RATIOS}
     for i, (n, b) in enumerate(grid):
-        times = time_config(n, b, mesh, reps, rep_s, check=i == 0)
+        times = time_config(n, b, mesh, args.steps_per_call, reps, rep_s, check=i == 0)
         med = {k: statistics.median(t) for k, t in times.items()}
         rows += [
-            dict(N=n, B=b, variant=k, median_us=med[k], min_us=min(t), max_us=max(t))
+            dict(
+                N=n,
+                B=b,
+                steps_per_call=args.steps_per_call,
+                variant=k,
+                median_us=med[k],
+                min_us=min(t),
+                max_us=max(t),
+            )
             for k, t in times.items()
         ]
         for r in RATIOS:
