@@ -92,9 +92,9 @@ def checksum(items: dict, weights: jax.Array) -> jax.Array:
     return items["s"].sum(-1) + items["s_next"].sum(-1) + items["a"] + items["r"] + weights
 
 
-def scanned(step, k: int):
-    """``k`` calls of ``step(state, batch, t) -> (state, items, weights)`` as one scan;
-    ``(state, batch, t, acc) -> (state, t + k, acc + the rows' checksums)``."""
+def scanned(step, steps: int):
+    """``steps`` calls of ``step(state, batch, t) -> (state, items, weights)`` as one scan:
+    ``(state, batch, t, acc) -> (state, t + steps, acc + the rows' checksums)``."""
 
     def run(state, batch, t, acc):
         def body(carry, _):
@@ -102,7 +102,7 @@ def scanned(step, k: int):
             state, items, weights = step(state, batch, t)
             return (state, t + 1, acc + checksum(items, weights)), None
 
-        return jax.lax.scan(body, (state, t, acc), None, length=k)[0]
+        return jax.lax.scan(body, (state, t, acc), None, length=steps)[0]
 
     return run
 
@@ -113,7 +113,7 @@ def scanned(step, k: int):
 class OneDevice:
     name = "one_device"
 
-    def __init__(self, n: int, b: int, mesh: Mesh, k: int):
+    def __init__(self, n: int, b: int, mesh: Mesh, steps: int):
         self.n, self.b = n, b
         self.buf = make_prioritized_buffer(n, alpha=ALPHA, beta=0.4, epsilon=1e-6)
         dev = jax.devices()[0]
@@ -128,7 +128,7 @@ class OneDevice:
             state = buf.update(state, s.indices, new_priorities(s.indices, t), s.versions)
             return state, s.items, s.weights
 
-        self._run = jax.jit(scanned(step, k), donate_argnums=(0, 3))
+        self._run = jax.jit(scanned(step, steps), donate_argnums=(0, 3))
         self.state = buf.init(jax.tree_util.tree_map(lambda x: x[0], self.batches[0]))
         self.t = self.put(np.int32(0))
         self.acc = self.put(np.zeros(b, np.float32))
@@ -140,7 +140,7 @@ class OneDevice:
             self.state = add(self.state, self.put(items(chunk, lo)))
 
     def step(self, k: int):
-        """One call: ``K`` steps."""
+        """One call: ``--steps-per-call`` steps."""
         out = self._run(self.state, self.batches[k % 4], self.t, self.acc)
         self.state, self.t, self.acc = jax.block_until_ready(out)
 
@@ -154,7 +154,7 @@ class OneDevice:
 class Sharded(OneDevice):
     name, scope = "sharded_mesh", "mesh"
 
-    def __init__(self, n: int, b: int, mesh: Mesh, k: int):
+    def __init__(self, n: int, b: int, mesh: Mesh, steps: int):
         self.n, self.b = n, b
         big = make_prioritized_buffer(n, alpha=ALPHA, beta=0.4, epsilon=1e-6)
         self.buf = mb = shard_buffer(big, mesh, "data")
@@ -171,7 +171,7 @@ class Sharded(OneDevice):
             state = mb.update(state, s.indices, p, s.versions, scope=scope)
             return state, s.items, s.weights
 
-        self._run = jax.jit(scanned(step, k), donate_argnums=(0, 3))
+        self._run = jax.jit(scanned(step, steps), donate_argnums=(0, 3))
         self.state = mb.init(jax.tree_util.tree_map(lambda x: x[0], items(1)))
         self.t = jax.device_put(np.int32(0), rep)
         self.acc = self.put(np.zeros(b, np.float32))
@@ -194,7 +194,7 @@ class ShardedShard(Sharded):
 class FlashbaxPmap(OneDevice):
     name = "flashbax_pmap"
 
-    def __init__(self, n: int, b: int, mesh: Mesh, k: int):
+    def __init__(self, n: int, b: int, mesh: Mesh, steps: int):
         import flashbax
 
         self.n, self.b = n, b
@@ -225,7 +225,7 @@ class FlashbaxPmap(OneDevice):
                 w = (s.probabilities * (n // D)) ** -0.4
                 return state, s.experience, w / jnp.max(w)
 
-            return scanned(step, k)(state, batch, t, acc)
+            return scanned(step, steps)(state, batch, t, acc)
 
         self._run = jax.pmap(run, axis_name="data", donate_argnums=(0, 3), devices=devices)
         example = jax.tree_util.tree_map(lambda x: x[0], items(1))
