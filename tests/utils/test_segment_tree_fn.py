@@ -16,6 +16,7 @@ from coax_utils.utils import (
     SUM_TREE_STRATEGIES,
     SumTree,
     SumTreeState,
+    _segment_tree_fn,
     sum_tree_init,
     sum_tree_inverse_cdf,
     sum_tree_reduce,
@@ -280,8 +281,8 @@ def _tree_copies(compiled_text, num_nodes):
     return re.findall(rf"f32\[{num_nodes}\]\{{0\}} copy\(", compiled_text)
 
 
-def test_sample_then_update_step_does_not_copy_the_tree():
-    capacity = 1 << 12
+@pytest.mark.parametrize("capacity", [1 << 12, 1 << 17])  # 2**17: the descent reads a slice
+def test_sample_then_update_step_does_not_copy_the_tree(capacity):
     state = sum_tree_set(sum_tree_init(capacity), jnp.arange(capacity), jnp.ones(capacity))
     num_nodes = state.nodes.shape[0]
 
@@ -446,6 +447,33 @@ def test_inverse_cdf_never_returns_a_zero_slot():
     state = sum_tree_set(state, jnp.array([2]), jnp.array([np.nan]))
     u = jnp.array([0.0, 0.3, 1.0, np.nan])
     assert sum_tree_inverse_cdf(state, u).tolist() == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "capacity, dtype", [(65537, jnp.float32), ((1 << 17) + 3, jnp.float16)], ids=["f32", "f16"]
+)
+def test_large_tree_descent_reads_the_root_levels_from_a_slice_with_the_same_result(
+    capacity, dtype, monkeypatch
+):
+    # trees of 512 KiB or more read their upper levels from a slice of the first nodes;
+    # the result is the one of the plain descent (forced here by a larger slice limit)
+    rng = np.random.default_rng(5)
+    values = rng.random(capacity).astype(np.float32) + 0.01
+    values[rng.random(capacity) < 0.3] = 0.0
+    values[-5:] = 0.0  # trailing zeros, and the padded slots past capacity
+    state = sum_tree_set(sum_tree_init(capacity, dtype), jnp.arange(capacity), values)
+    assert state.nodes.size * state.nodes.dtype.itemsize >= 512 << 10
+    u = jnp.concatenate([jnp.linspace(0, 1, 4001), jnp.asarray(rng.random(4000))])
+    descend = functools.partial(sum_tree_inverse_cdf, return_values=True)
+    idx, val = jax.jit(descend)(state, u)
+    monkeypatch.setattr(_segment_tree_fn, "_TOP_BYTES", 1 << 40)
+    plain_idx, plain_val = jax.jit(descend)(state, u)  # a new trace: the plain descent
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(plain_idx))
+    np.testing.assert_array_equal(np.asarray(val), np.asarray(plain_val))
+    tree_values = np.asarray(sum_tree_values(state))
+    assert (tree_values[np.asarray(idx)] > 0).all()
+    np.testing.assert_array_equal(np.asarray(val), tree_values[np.asarray(idx)])
+    assert len(np.unique(np.asarray(idx))) > 1000
 
 
 def test_sum_tree_reduce_takes_lists_of_traced_bounds_under_jit():
