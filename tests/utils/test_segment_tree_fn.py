@@ -464,10 +464,14 @@ def test_large_tree_descent_reads_the_root_levels_from_a_slice_with_the_same_res
     state = sum_tree_set(sum_tree_init(capacity, dtype), jnp.arange(capacity), values)
     assert state.nodes.size * state.nodes.dtype.itemsize >= 512 << 10
     u = jnp.concatenate([jnp.linspace(0, 1, 4001), jnp.asarray(rng.random(4000))])
-    descend = functools.partial(sum_tree_inverse_cdf, return_values=True)
-    idx, val = jax.jit(descend)(state, u)
+    top_pairs = f"tensor<{(128 << 10) // np.dtype(dtype).itemsize // 2}x2x"  # the slice's rows
+    sliced = jax.jit(lambda s, u: sum_tree_inverse_cdf(s, u, return_values=True))
+    assert top_pairs in sliced.lower(state, u).as_text()
+    idx, val = sliced(state, u)
     monkeypatch.setattr(_segment_tree_fn, "_TOP_BYTES", 1 << 40)
-    plain_idx, plain_val = jax.jit(descend)(state, u)  # a new trace: the plain descent
+    plain = jax.jit(lambda s, u: sum_tree_inverse_cdf(s, u, return_values=True))  # a new trace
+    assert top_pairs not in plain.lower(state, u).as_text()
+    plain_idx, plain_val = plain(state, u)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(plain_idx))
     np.testing.assert_array_equal(np.asarray(val), np.asarray(plain_val))
     tree_values = np.asarray(sum_tree_values(state))
