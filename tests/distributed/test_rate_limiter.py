@@ -124,6 +124,9 @@ def test_adds_waiting_for_the_limiter_do_not_starve_the_samples_that_free_them(r
     ray = ray_cluster
     limiter = RateLimiter.remote(min_size_to_sample=4, samples_per_insert=1.0, error_buffer=8.0)
     replay = ShardedReplay([SimpleReplayBuffer(1000)], rate_limiter=limiter, timeout=20)
+    # the shard is up before the clock starts: the deadlines time the adds and samples, not
+    # the start of a worker process on a loaded machine
+    assert replay.size() == 0
     # more waiting adds than the shard has threads (a writer that does not wait for acks)
     refs = [replay.add(make_batch(0, 4 * i, 4), wait=False) for i in range(24)]
     deadline = time.monotonic() + 20
