@@ -45,7 +45,9 @@ __all__ = [
 #: The write strategies of :func:`sum_tree_set` (see there).
 SUM_TREE_STRATEGIES = ("auto", "sequential", "vectorized")
 
-# the part of a large tree read near the root (see sum_tree_inverse_cdf)
+# trees this large read their levels near the root from their first _TOP_BYTES (see
+# sum_tree_inverse_cdf): XLA's CPU backend reads arrays of _SPLIT_BYTES or more on two threads
+_SPLIT_BYTES = 512 << 10
 _TOP_BYTES = 128 << 10
 
 
@@ -498,14 +500,14 @@ def sum_tree_inverse_cdf(
         return down
 
     carry = (jnp.ones(u.shape, jnp.int32), u * nodes[1], jnp.zeros(u.shape, nodes.dtype))
-    # XLA's CPU backend runs a gather from an array of 512 KiB or more as two parallel
+    # XLA's CPU backend runs a gather from an array of _SPLIT_BYTES or more as two parallel
     # tasks, and handing a read of a few pairs to another thread costs more than the read
     # (about 2 us per level). In a larger tree the levels near the root therefore read
     # from the tree's first _TOP_BYTES, a slice below that size: the descent of 32 values
     # from 2**20 leaves took 23 us instead of 46 (2**16 leaves: 10 instead of 24).
     top = _TOP_BYTES // nodes.dtype.itemsize
     upper = 0
-    if nodes.shape[-1] * nodes.dtype.itemsize >= 4 * _TOP_BYTES:
+    if nodes.shape[-1] * nodes.dtype.itemsize >= _SPLIT_BYTES:
         upper = min(state.height, top.bit_length() - 2)  # the children lie below ``top``
         carry = jax.lax.fori_loop(0, upper, down_in(nodes[:top].reshape(-1, 2)), carry)
     node, _, value = jax.lax.fori_loop(upper, state.height, down_in(nodes.reshape(-1, 2)), carry)

@@ -456,7 +456,7 @@ def test_large_tree_descent_reads_the_root_levels_from_a_slice_with_the_same_res
     capacity, dtype, monkeypatch
 ):
     # trees of 512 KiB or more read their upper levels from a slice of the first nodes;
-    # the result is the one of the plain descent (forced here by a larger slice limit)
+    # the result is the one of the plain descent (forced here by a larger size limit)
     rng = np.random.default_rng(5)
     values = rng.random(capacity).astype(np.float32) + 0.01
     values[rng.random(capacity) < 0.3] = 0.0
@@ -468,7 +468,7 @@ def test_large_tree_descent_reads_the_root_levels_from_a_slice_with_the_same_res
     sliced = jax.jit(lambda s, u: sum_tree_inverse_cdf(s, u, return_values=True))
     assert top_pairs in sliced.lower(state, u).as_text()
     idx, val = sliced(state, u)
-    monkeypatch.setattr(_segment_tree_fn, "_TOP_BYTES", 1 << 40)
+    monkeypatch.setattr(_segment_tree_fn, "_SPLIT_BYTES", 1 << 40)
     plain = jax.jit(lambda s, u: sum_tree_inverse_cdf(s, u, return_values=True))  # a new trace
     assert top_pairs not in plain.lower(state, u).as_text()
     plain_idx, plain_val = plain(state, u)
