@@ -183,6 +183,21 @@ def sum_tree_init(capacity: int, dtype: Any = jnp.float32) -> SumTreeState:
     return SumTreeState(nodes=jnp.zeros(2 * _num_leaves(capacity), dtype), capacity=capacity)
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """The nodes as the loops that read or write a few of them at a time move them:
+    bfloat16 as its bits (uint16), other dtypes as they are. XLA's CPU backend has no
+    bfloat16 arithmetic and ran each read or write of a few bfloat16 nodes as a conversion
+    of the whole tree to float32 and back (3 ms per written item at 2**17 leaves). A view
+    of the bits costs a copy of the tree, so the other dtypes, which move in place, keep
+    their own."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
+
+
+def _floats(x: jax.Array, dtype: Any) -> jax.Array:
+    """The inverse of :func:`_bits`: the nodes ``x`` in the tree's ``dtype``."""
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
 def _last_write_mask(indices: jax.Array) -> jax.Array:
     """Boolean mask over ``indices`` (1-d) that is True where no later entry has the same index."""
     k = indices.shape[0]
@@ -305,22 +320,25 @@ def _set_sequential(
     XLA copy the whole tree for every entry) and no pass over the tree afterwards (a final
     reset of node 0 cost more than the writes of a small batch on a CPU). Reads and writes
     are scalar dynamic slices, which XLA's CPU backend compiles to in-place loads and
-    stores; the levels are unrolled, so each entry is one straight run of code.
+    stores; the levels are unrolled, so each entry is one straight run of code. bfloat16
+    nodes move as their bits (see :func:`_bits`); sums are computed in the tree's dtype.
     """
 
-    def one(nodes: jax.Array, item: tuple) -> tuple:
+    dtype = state.nodes.dtype
+
+    def one(bits: jax.Array, item: tuple) -> tuple:
         node, v = item
-        nodes = jax.lax.dynamic_update_slice(nodes, v[None], (node,))
+        bits = jax.lax.dynamic_update_slice(bits, _bits(v[None]), (node,))
         for _ in range(state.height):
             node = node // 2
-            children = jax.lax.dynamic_slice(nodes, (2 * node,), (2,))
-            total = jnp.where(node > 0, children[0] + children[1], 0)
-            nodes = jax.lax.dynamic_update_slice(nodes, total[None], (node,))
-        return nodes, None
+            children = _floats(jax.lax.dynamic_slice(bits, (2 * node,), (2,)), dtype)
+            total = jnp.where(node > 0, children[0] + children[1], 0).astype(dtype)
+            bits = jax.lax.dynamic_update_slice(bits, _bits(total[None]), (node,))
+        return bits, None
 
     leaves = jnp.where(valid, indices + state.num_leaves, 0)
-    nodes, _ = jax.lax.scan(one, state.nodes, (leaves, jnp.where(valid, values, 0)))
-    return nodes
+    bits, _ = jax.lax.scan(one, _bits(state.nodes), (leaves, jnp.where(valid, values, 0)))
+    return _floats(bits, dtype)
 
 
 def _set_vectorized(
@@ -488,7 +506,7 @@ def sum_tree_inverse_cdf(
 
         def down(_: Any, carry: tuple) -> tuple:
             node, target, value = carry
-            pair = children[node]
+            pair = _floats(children[node], nodes.dtype)
             left, right = pair[..., 0], pair[..., 1]
             go_right = (right > 0) & ((target >= left) | (left <= 0))
             return (
@@ -509,8 +527,9 @@ def sum_tree_inverse_cdf(
     upper = 0
     if nodes.shape[-1] * nodes.dtype.itemsize >= _SPLIT_BYTES:
         upper = min(state.height, top.bit_length() - 2)  # the children lie below ``top``
-        carry = jax.lax.fori_loop(0, upper, down_in(nodes[:top].reshape(-1, 2)), carry)
-    node, _, value = jax.lax.fori_loop(upper, state.height, down_in(nodes.reshape(-1, 2)), carry)
+        carry = jax.lax.fori_loop(0, upper, down_in(_bits(nodes[:top]).reshape(-1, 2)), carry)
+    pairs = _bits(nodes).reshape(-1, 2)
+    node, _, value = jax.lax.fori_loop(upper, state.height, down_in(pairs), carry)
     indices = jnp.minimum(node - state.num_leaves, state.capacity - 1).astype(jnp.int32)
     return (indices, value) if return_values else indices
 
