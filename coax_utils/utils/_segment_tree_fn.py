@@ -332,7 +332,7 @@ def _set_sequential(
         for _ in range(state.height):
             node = node // 2
             children = _floats(jax.lax.dynamic_slice(bits, (2 * node,), (2,)), dtype)
-            total = jnp.where(node > 0, children[0] + children[1], 0).astype(dtype)
+            total = jnp.where(node > 0, children[0] + children[1], 0)
             bits = jax.lax.dynamic_update_slice(bits, _bits(total[None]), (node,))
         return bits, None
 

@@ -336,7 +336,7 @@ def test_a_bfloat16_tree_is_written_and_read_without_converting_the_whole_tree()
     # view copies the tree in and out (4 tree sizes); converting the whole tree at every
     # level of the loop accessed 28
     cost = write.lower(bf16, jnp.arange(4), jnp.ones(4)).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost  # a list of one before jax 0.4.38
+    cost = cost[0] if isinstance(cost, list) else cost  # a list of one in older jax (0.4.36)
     assert cost["bytes accessed"] < 8 * bf16.nodes.nbytes
 
 
